@@ -1,0 +1,42 @@
+"""fusenorm: LayerNorm/RMSNorm fused into the neighbouring GEMMs under torch.compile.
+
+Use it one of two ways:
+- ``torch.compile(model, backend="fusenorm")`` (no import needed once installed), or
+- in a script that already calls ``torch.compile(model)``: ``import fusenorm_inductor;
+  fusenorm_inductor.enable()`` (``disable()`` undoes it).
+See README.md for what is fused, the match report (``FUSENORM_DEBUG_DIR``), and what is not supported.
+"""
+
+from __future__ import annotations
+
+from . import config, ops
+from .backend import fusenorm_backend
+from .report import last_report, reports
+
+__version__ = "0.1.0"
+
+
+def enable() -> None:
+    """Run fusenorm's passes under plain ``torch.compile`` (Inductor) from now on in this process.
+
+    Chains after any custom pass already installed in the same Inductor slots. Graphs compiled before this
+    call keep their code: call ``torch._dynamo.reset()`` to recompile them.
+    """
+    from . import passes
+
+    passes.install()
+    config.enabled = True
+
+
+def disable() -> None:
+    """Stop running fusenorm's passes under plain ``torch.compile``; the user's own passes stay."""
+    from . import passes
+
+    passes.uninstall()
+    config.enabled = False
+
+
+if config.enabled:  # FUSENORM_ENABLE=1: enabled as soon as the package is imported
+    enable()
+
+__all__ = ["enable", "disable", "config", "ops", "fusenorm_backend", "last_report", "reports", "__version__"]

@@ -1,0 +1,44 @@
+"""fusenorm's configuration, in the style of ``torch._inductor.config``.
+
+Every option is a module attribute. Set it directly (``fusenorm_inductor.config.debug_dir = "/tmp/fn"``),
+temporarily (``with fusenorm_inductor.config.patch(enabled=True): ...``), or through the environment
+variable named beside it (read when this module is first imported; "1"/"0" for booleans). An unknown
+option name raises ``AttributeError`` on set and on ``patch``.
+
+The whole config is hashed into the passes' ``uuid()``, so changing an option invalidates Inductor's FX
+graph cache entries that were compiled under another value.
+"""
+
+import sys
+
+from torch.utils._config_module import Config, install_config_module
+
+# Run fusenorm's passes under plain ``torch.compile(model)`` (backend="inductor").
+# ``fusenorm_inductor.enable()`` / ``disable()`` set this and install/uninstall the passes; setting it by
+# hand after import has no effect until ``enable()`` is called. ``backend="fusenorm"`` ignores it.
+enabled: bool = Config(env_name_default="FUSENORM_ENABLE", default=False)
+
+# Directory for per-graph dumps: the graphs before and after fusenorm's passes, as readable code, and the
+# match report (every rewrite and every candidate that was not rewritten, with the reason).
+debug_dir = Config(env_name_default="FUSENORM_DEBUG_DIR", default=None, value_type=str)
+
+# Rewrite LayerNorm/RMSNorm calls into fusenorm's canonical norm op before autograd. Every fusion below
+# matches the canonical op, so turning this off turns all of them off.
+canonicalize_norms: bool = Config(env_name_default="FUSENORM_CANONICALIZE_NORMS", default=True)
+
+
+class patterns:
+    """Per-pattern switches; the names are the pattern names in the match report and counters."""
+
+    # linear -> [+ residual] -> norm: GEMM with the norm in its epilogue (forward).
+    linear_norm_fwd: bool = Config(env_name_default="FUSENORM_LINEAR_NORM_FWD", default=True)
+    # norm -> linear, backward: the linear's data-gradient GEMM with the norm backward in its epilogue.
+    dgrad_norm_bwd: bool = Config(env_name_default="FUSENORM_DGRAD_NORM_BWD", default=True)
+
+
+# When a pass raises, log a warning and leave the graph to plain Inductor (the graph is restored from a
+# copy taken before the pass). Tests set this to False to see the error.
+fallback_on_error: bool = Config(env_name_default="FUSENORM_FALLBACK_ON_ERROR", default=True)
+
+
+install_config_module(sys.modules[__name__])

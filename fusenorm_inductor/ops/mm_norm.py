@@ -1,0 +1,163 @@
+"""Post-norm forward: ``y = norm(a @ b + bias + residual)`` in one GEMM with the norm in its epilogue.
+
+Used by the pattern ``linear_norm_fwd`` (patterns/post_norm.py) for ``linear -> [+ residual] -> norm``.
+Reads top-down: Triton kernels -> launcher -> custom op ``fusenorm::mm_norm`` (fake, autograd) -> reference.
+
+Outputs (y, hh, mean, rstd):
+- y    [M, N] in ``out_dtype``: the norm's output;
+- hh   [M, N] in the pre-norm dtype, the normalized row before the affine, written only when
+       ``save_normed`` (training with an affine norm: the backward needs hh, and y cannot give it back
+       accurately when the weight is near zero); otherwise 0-size. Without affine, hh == y and the backward
+       uses y. The pre-norm tensor ``a @ b + ...`` is never written, so it is never saved for the backward;
+- mean [M] fp32 (0-size for RMSNorm), rstd [M] fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._validate import check_eps, check_tensor
+from .norm import norm_backward, norm_reference
+
+__all__ = ["mm_norm", "mm_norm_reference"]
+
+_OP = "fusenorm::mm_norm"
+
+
+def _prenorm_dtype(a: Tensor, residual: Optional[Tensor]) -> torch.dtype:
+    # The dtype the unfused graph gives `a @ b + bias + residual`, i.e. the dtype hh is kept in.
+    return torch.promote_types(a.dtype, residual.dtype) if residual is not None else a.dtype
+
+
+def _check(a, b, bias, residual, weight, norm_bias, eps) -> None:
+    check_tensor(_OP, "a", a, ndim=2)
+    m, k = a.shape
+    check_tensor(_OP, "b", b, ndim=2, device=a.device, dtypes=(a.dtype,))
+    if b.shape[0] != k:
+        raise ValueError(f"{_OP}: a is {tuple(a.shape)} but b is {tuple(b.shape)}: inner dims differ")
+    n = b.shape[1]
+    check_tensor(_OP, "bias", bias, shape=(n,), device=a.device, dtypes=(a.dtype,), required=False)
+    check_tensor(_OP, "residual", residual, shape=(m, n), device=a.device, required=False)
+    check_tensor(_OP, "weight", weight, shape=(n,), device=a.device, required=False)
+    check_tensor(_OP, "norm_bias", norm_bias, shape=(n,), device=a.device, required=False)
+    check_eps(_OP, eps)
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty((0,), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference (CPU implementation and the tests' oracle): fp32 GEMM, then the canonical norm.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def mm_norm_reference(
+    a: Tensor,
+    b: Tensor,
+    bias: Optional[Tensor],
+    residual: Optional[Tensor],
+    weight: Optional[Tensor],
+    norm_bias: Optional[Tensor],
+    eps: float,
+    is_rms: bool,
+    out_dtype: Optional[torch.dtype] = None,
+    save_normed: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    h = a.float() @ b.float()
+    if bias is not None:
+        h = h + bias.float()
+    if residual is not None:
+        h = h + residual.float()
+    y, mean, rstd = norm_reference(h, weight, norm_bias, eps, is_rms, out_dtype or a.dtype)
+    if save_normed:
+        hh, _, _ = norm_reference(h, None, None, eps, is_rms, _prenorm_dtype(a, residual))
+    else:
+        hh = _empty(a)
+    return y, hh, mean, rstd
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Custom op
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(_OP, mutates_args=())
+def mm_norm(
+    a: Tensor,
+    b: Tensor,
+    bias: Optional[Tensor],
+    residual: Optional[Tensor],
+    weight: Optional[Tensor],
+    norm_bias: Optional[Tensor],
+    eps: float,
+    is_rms: bool,
+    out_dtype: Optional[torch.dtype] = None,
+    save_normed: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``norm(a @ b + bias + residual)`` over the last dim; see the module docstring for the outputs."""
+    _check(a, b, bias, residual, weight, norm_bias, eps)
+    return mm_norm_reference(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed)
+
+
+@mm_norm.register_kernel("cuda")
+def _(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype=None, save_normed=False):
+    _check(a, b, bias, residual, weight, norm_bias, eps)
+    from .mm_norm_kernels import mm_norm_triton
+
+    return mm_norm_triton(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed)
+
+
+@mm_norm.register_fake
+def _(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype=None, save_normed=False):
+    _check(a, b, bias, residual, weight, norm_bias, eps)
+    m, n = a.shape[0], b.shape[1]
+    return (
+        a.new_empty((m, n), dtype=out_dtype or a.dtype),
+        a.new_empty((m, n) if save_normed else (0,), dtype=_prenorm_dtype(a, residual) if save_normed else torch.float32),
+        a.new_empty((0,) if is_rms else (m,), dtype=torch.float32),
+        a.new_empty((m,), dtype=torch.float32),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed = inputs
+    y, hh, mean, rstd = output
+    affine = weight is not None or norm_bias is not None
+    # Without affine, y is hh; with it, only the explicitly saved hh gives an exact backward.
+    src = hh if save_normed else (None if affine else y)
+    ctx.save_for_backward(a, b, weight, rstd, src)
+    ctx.is_rms = is_rms
+    ctx.meta = (
+        bias is not None,
+        residual.dtype if residual is not None else None,
+        norm_bias.dtype if norm_bias is not None else None,
+        _prenorm_dtype(a, residual),
+        affine and not save_normed,
+    )
+
+
+def _backward(ctx, dy, _dhh, _dmean, _drstd):
+    a, b, weight, rstd, src = ctx.saved_tensors
+    has_bias, residual_dtype, norm_bias_dtype, h_dtype, missing_hh = ctx.meta
+    if missing_hh:
+        raise RuntimeError(
+            f"{_OP}: backward through an affine norm needs save_normed=True in the forward "
+            "(hh is not recoverable from y when the weight is near zero)"
+        )
+    dh, dw, dnb = norm_backward(
+        dy, src, weight, None, rstd, ctx.is_rms, True, norm_bias_dtype is not None, h_dtype
+    )
+    da = (dh.to(a.dtype) @ b.t()) if ctx.needs_input_grad[0] else None
+    db_ = (a.t() @ dh.to(a.dtype)) if ctx.needs_input_grad[1] else None
+    dbias = dh.float().sum(0).to(a.dtype) if has_bias else None
+    dres = dh.to(residual_dtype) if residual_dtype is not None else None
+    dw = dw.to(weight.dtype) if weight is not None else None
+    dnb = dnb.to(norm_bias_dtype) if norm_bias_dtype is not None else None
+    return da, db_, dbias, dres, dw, dnb, None, None, None, None
+
+
+mm_norm.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,203 @@
+"""The passes fusenorm installs into Inductor, and how they are installed.
+
+Two stages, each an Inductor ``CustomGraphPass`` (so the FX graph cache keys on ``uuid()``):
+
+- ``pre_grad`` (slot ``pre_grad_custom_pass``, Dynamo's torch-level graph): every LayerNorm/RMSNorm form is
+  rewritten into the canonical op ``fusenorm::norm`` whose autograd calls ``fusenorm::norm_backward``. The
+  norms then reach the joint graph whole, the same on every device and torch version.
+- ``joint`` (slot ``joint_custom_post_pass``, the ATen forward+backward graph before partitioning): the
+  fusion patterns, then the decomposition of canonical ops left unfused. Fusing here, before the
+  partitioner decides what the backward keeps, is what lets a fused forward save the normalized ``hh``
+  (or nothing extra) instead of the pre-norm tensor, which the fused kernel never writes.
+
+Each stage runs the patterns of ``fusenorm_inductor.patterns`` that belong to it, records what it did in
+the match report, and, if anything raises, restores the graph it was given (plain Inductor then compiles
+it) and warns, unless ``config.fallback_on_error`` is off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from . import config, fx_utils, report
+
+log = logging.getLogger("fusenorm")
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@functools.lru_cache(None)
+def _source_files() -> tuple[str, ...]:
+    """Every source file of the package and of its patterns, wherever setup.py put them."""
+    from . import patterns as _patterns
+
+    dirs = {_PKG_DIR, os.path.dirname(os.path.abspath(_patterns.__file__))}
+    files = []
+    for d in sorted(dirs):
+        for root, _, names in os.walk(d):
+            files += [os.path.join(root, n) for n in names if n.endswith(".py")]
+    return tuple(sorted(files))
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    backup = fx.Graph()
+    out = backup.graph_copy(graph, {})
+    backup.output(out)
+    return backup
+
+
+def _restore_graph(graph: fx.Graph, backup: fx.Graph) -> None:
+    for node in reversed(list(graph.nodes)):
+        graph.erase_node(node)
+    with graph.inserting_after():
+        out = graph.graph_copy(backup, {})
+        graph.output(out)
+
+
+class FusenormPass(CustomGraphPass):
+    """One stage of fusenorm's rewriting; ``stage`` selects the patterns that run."""
+
+    def __init__(self, stage: str) -> None:
+        self.stage = stage
+
+    def __repr__(self) -> str:
+        return f"FusenormPass({self.stage!r})"
+
+    def __call__(self, graph: fx.Graph) -> None:
+        from .patterns import run_stage
+
+        rep = report.for_stage(self.stage)
+        before = _render_parts(graph, self.stage) if config.debug_dir else {}
+        backup = _copy_graph(graph) if config.fallback_on_error else None
+        try:
+            run_stage(self.stage, graph, rep)
+            graph.lint()
+        except Exception as e:  # a failed pass must never fail the user's compile
+            if backup is None:
+                raise
+            _restore_graph(graph, backup)
+            msg = f"{self.stage} pass failed ({type(e).__name__}: {e}); graph left to plain Inductor"
+            rep.errors.append(msg)
+            warnings.warn(f"fusenorm: {msg}")
+            log.debug("fusenorm %s pass failed", self.stage, exc_info=True)
+            if self.stage == "joint":
+                # Canonical norms must still become aten ops (or they run as slow reference kernels).
+                from .patterns import decompose_all
+
+                decompose_all(graph)
+        if config.debug_dir:
+            after = _render_parts(graph, self.stage)
+            rep.dumps.update({f"{part}.before.py": text for part, text in before.items()})
+            rep.dumps.update({f"{part}.after.py": text for part, text in after.items()})
+        log.info(rep.summary(self.stage))
+        rep.write()
+
+    def uuid(self) -> Any:
+        # Source of every pass, pattern and op, plus the config: any change compiles afresh.
+        return (self.stage, get_hash_for_files(_source_files()).hex(), config.get_hash().hex())
+
+
+def _render_parts(graph: fx.Graph, stage: str) -> dict[str, str]:
+    """Readable code of the graph: the pre-grad graph whole; the joint graph whole and split into its
+    forward and backward parts (the backward part: nodes that depend on a tangent)."""
+    if stage == "pre_grad":
+        return {"pre_grad": fx_utils.render(graph)}
+    bwd = fx_utils.tangent_dependent(graph)
+    parts = {"joint": fx_utils.render(graph),
+             "forward": fx_utils.render(graph, {n for n in graph.nodes if n not in bwd and n.op != "output"})}
+    if bwd:
+        parts["backward"] = fx_utils.render(graph, bwd)
+    return parts
+
+
+# ---- installing into Inductor's config ---------------------------------------------------------------
+
+PRE_GRAD = FusenormPass("pre_grad")
+JOINT = FusenormPass("joint")
+SLOTS = {"pre_grad_custom_pass": PRE_GRAD, "joint_custom_post_pass": JOINT}
+
+
+class ChainedPass(CustomGraphPass):
+    """A user's pass followed by fusenorm's in the same Inductor slot (torch 2.11 takes one per slot)."""
+
+    def __init__(self, first: Callable, second: Callable) -> None:
+        self.first, self.second = first, second
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.first(graph)
+        self.second(graph)
+
+    def uuid(self) -> Any:
+        ids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in (self.first, self.second)]
+        return None if None in ids else tuple(ids)  # None: a plain function cannot be cached safely
+
+
+def _contains(slot_value: Any, ours: FusenormPass) -> bool:
+    if slot_value is ours:
+        return True
+    if isinstance(slot_value, ChainedPass):
+        return _contains(slot_value.first, ours) or _contains(slot_value.second, ours)
+    if isinstance(slot_value, (list, tuple)):
+        return any(_contains(v, ours) for v in slot_value)
+    return False
+
+
+def chain(existing: Any, ours: FusenormPass) -> Any:
+    """The slot value that runs ``existing`` (a user's pass, a list of them, or None) and then ours."""
+    if existing is None:
+        return ours
+    if _contains(existing, ours):
+        return existing
+    if isinstance(existing, (list, tuple)):
+        return [*existing, ours]
+    return ChainedPass(existing, ours)
+
+
+def unchain(existing: Any, ours: FusenormPass) -> Any:
+    """The slot value with ours taken out, the user's passes kept."""
+    if existing is ours:
+        return None
+    if isinstance(existing, ChainedPass):
+        first, second = unchain(existing.first, ours), unchain(existing.second, ours)
+        if first is None or second is None:
+            return first if second is None else second
+        return ChainedPass(first, second)
+    if isinstance(existing, list):
+        return [p for p in existing if p is not ours] or None
+    return existing
+
+
+def install() -> None:
+    import torch._inductor.config as inductor_config
+
+    from . import ops  # noqa: F401  (registers the custom ops before any graph holds them)
+
+    for slot, ours in SLOTS.items():
+        setattr(inductor_config, slot, chain(getattr(inductor_config, slot), ours))
+
+
+def uninstall() -> None:
+    import torch._inductor.config as inductor_config
+
+    for slot, ours in SLOTS.items():
+        setattr(inductor_config, slot, unchain(getattr(inductor_config, slot), ours))
+
+
+def config_patches(options: Optional[dict]) -> dict:
+    """Inductor options with fusenorm's passes chained after whatever the options or config hold."""
+    import torch._inductor.config as inductor_config
+
+    from . import ops  # noqa: F401
+
+    patched = dict(options or {})
+    for slot, ours in SLOTS.items():
+        patched[slot] = chain(patched.get(slot, getattr(inductor_config, slot)), ours)
+    return patched

@@ -1,0 +1,33 @@
+"""fusenorm's patterns, one named object each; ``run_stage`` applies those of a stage in order.
+
+pre_grad: canonical_layer_norm, canonical_rms_norm, canonical_llama_rms_norm (patterns/canonical_norms.py)
+joint:    linear_norm_fwd (post_norm.py), dgrad_norm_bwd (dgrad_norm_backward.py), then the decomposition
+          of canonical ops left unfused (decompose.py)
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from fusenorm_inductor import ops  # noqa: F401  (the patterns name the custom ops)
+from fusenorm_inductor.report import GraphReport
+
+from .canonical_norms import PRE_GRAD_PATTERNS
+from .decompose import DecomposeUnfused, decompose_all
+from .dgrad_norm_backward import DgradNormBwd
+from .post_norm import LinearNormFwd
+
+STAGES = {
+    "pre_grad": PRE_GRAD_PATTERNS,
+    # Forward fusion first: it changes what the norm backward reads, which the backward fusion keeps.
+    "joint": (LinearNormFwd(), DgradNormBwd(), DecomposeUnfused()),
+}
+
+PATTERN_NAMES = tuple(p.name for stage in STAGES.values() for p in stage if p.name != "decompose_unfused")
+
+
+def run_stage(stage: str, graph: fx.Graph, rep: GraphReport) -> int:
+    return sum(p.apply(graph, rep) for p in STAGES[stage])
+
+
+__all__ = ["run_stage", "decompose_all", "STAGES", "PATTERN_NAMES"]

@@ -1,0 +1,143 @@
+"""``dgrad_norm_bwd``: the norm's backward fused into the epilogue of the next linear's data-gradient GEMM.
+
+Joint graph. For ``n = norm(x); out = linear(n)`` the backward computes ``dn = d_out @ W`` (an ``mm``) and
+feeds it, possibly through a view (3-D inputs), a dtype conversion (autocast) and adds of other gradients
+of ``n`` (a residual branch, further consumers), to ``fusenorm::norm_backward``. The ``mm`` and the norm
+backward become one ``fusenorm::mm_norm_backward``; the other gradients ride along as ``extra``.
+This applies whether or not the forward norm was fused (the kernel reads hh, or x with mean/rstd).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.fx as fx
+from torch.fx import Node
+
+from fusenorm_inductor import fx_utils
+from fusenorm_inductor.fx_utils import val
+from fusenorm_inductor.ops.kernel_choice import describe_mm_norm_backward
+from fusenorm_inductor.report import GraphReport
+
+from .base import Pattern, Reject, bind_op_args, getitem_users, is_op, require
+from .post_norm import CONVERT, FLOATS, VIEWS
+
+aten = torch.ops.aten
+NORM_BWD = torch.ops.fusenorm.norm_backward.default
+MM_NORM_BWD = torch.ops.fusenorm.mm_norm_backward.default
+
+
+@dataclass
+class DgradMatch:
+    bwd: Node
+    args: dict[str, Any]
+    gemm: Node
+    extra: Optional[Node]
+    chain: list[Node]
+
+
+def _gemm_under(node: Any) -> Optional[Node]:
+    """The mm reached from ``node`` through an optional view and an optional dtype conversion."""
+    cur = node
+    for _ in range(3):  # convert(view(mm)), view(convert(mm)), ...
+        if is_op(cur, *CONVERT, *VIEWS):
+            cur = cur.args[0]
+    return cur if is_op(cur, aten.mm.default) else None
+
+
+class DgradNormBwd(Pattern):
+    name = "dgrad_norm_bwd"
+    stage = "joint"
+    switch = "patterns.dgrad_norm_bwd"
+
+    def candidates(self, graph: fx.Graph) -> Iterable[Node]:
+        return [n for n in graph.nodes if is_op(n, NORM_BWD)]
+
+    # ---- guards ----------------------------------------------------------------------------------------
+    def match(self, bwd: Node) -> DgradMatch:
+        args = bind_op_args(bwd)
+        dy = args["dy"]
+        require(fx_utils.is_static(val(dy), val(args["src"])), "dynamic shapes: left to Inductor")
+        top, extra = self.split_extra(dy)
+        gemm = _gemm_under(top)
+        require(gemm is not None, f"norm gradient does not come from a linear's data-gradient GEMM "
+                                  f"({top.op} {getattr(top.target, '__name__', top.target)})")
+        chain = self.chain_nodes(dy, top, gemm)
+        self.check_only_feeds_norm_backward(bwd, gemm, chain)
+        self.check_shapes(val(dy), val(gemm))
+        self.check_dtypes(val(gemm.args[0]), val(gemm.args[1]))
+        if extra is not None:
+            require(tuple(val(extra).shape) == tuple(val(dy).shape) and val(extra).dtype in FLOATS,
+                    "other gradient added to the GEMM's broadcasts or has an unsupported dtype")
+        return DgradMatch(bwd, args, gemm, extra, chain)
+
+    def split_extra(self, dy: Node) -> tuple[Node, Optional[Node]]:
+        """``dy = add(gemm_path, other)`` (either order): the GEMM path, and the other gradient as extra."""
+        if is_op(dy, aten.add.Tensor) and len(dy.args) == 2 and not dy.kwargs:
+            for side, other in ((0, 1), (1, 0)):
+                if _gemm_under(dy.args[side]) is not None and isinstance(dy.args[other], Node):
+                    return dy.args[side], dy.args[other]
+            raise Reject("norm gradient is a sum with no data-gradient GEMM directly under it")
+        return dy, None
+
+    @staticmethod
+    def chain_nodes(dy: Node, top: Node, gemm: Node) -> list[Node]:
+        chain, cur = [], dy
+        if cur is not top:
+            chain.append(cur)  # the add
+            cur = top
+        while cur is not gemm:
+            chain.append(cur)
+            cur = cur.args[0]
+        return chain
+
+    def check_only_feeds_norm_backward(self, bwd: Node, gemm: Node, chain: list[Node]) -> None:
+        """The GEMM's output (and each node up to the norm backward) is used by nothing else."""
+        allowed = set(chain) | {bwd}
+        for n in [gemm] + chain:
+            others = fx_utils.users_outside(n, allowed)
+            if others:
+                raise Reject(f"data gradient {n.name} has another user ({others[0].name}): not fused")
+
+    def check_shapes(self, dyv: torch.Tensor, gv: torch.Tensor) -> None:
+        """The GEMM's columns are the norm's dim; any view only splits rows."""
+        require(dyv.shape[-1] == gv.shape[-1] and dyv.numel() == gv.numel(),
+                f"norm gradient {tuple(dyv.shape)} is not the GEMM output {tuple(gv.shape)} with rows split")
+
+    def check_dtypes(self, av: torch.Tensor, bv: torch.Tensor) -> None:
+        """fp32/fp16/bf16 GEMM operands of one dtype on CPU or CUDA."""
+        require(av.dtype in FLOATS and av.dtype == bv.dtype, f"GEMM dtypes {av.dtype}/{bv.dtype} not supported")
+        require(av.device.type in ("cpu", "cuda"), f"device {av.device} not supported")
+
+    # ---- rewrite ---------------------------------------------------------------------------------------
+    def rewrite(self, graph: fx.Graph, m: DgradMatch, rep: GraphReport) -> None:
+        a = m.args
+        dyv = val(a["dy"])
+        dy2, b = m.gemm.args
+        mv, nv = val(dy2).shape[0], val(b).shape[1]
+        with graph.inserting_before(m.bwd):
+            extra = fx_utils.reshape(graph, m.extra, [mv, nv]) if m.extra is not None else None
+            src = fx_utils.reshape(graph, a["src"], [mv, nv])
+            rstd = fx_utils.reshape(graph, a["rstd"], [mv])
+            mean = a["mean"] if a["mean"] is None or a["is_rms"] else fx_utils.reshape(graph, a["mean"], [mv])
+            fused = fx_utils.call(graph, MM_NORM_BWD, dy2, b, extra, src, a["weight"], mean, rstd,
+                                  a["is_rms"], a["src_is_normed"], a["has_bias"], a["dx_dtype"])
+            dx2, dw, db = fx_utils.getitems(graph, fused, 3)
+            dx = fx_utils.reshape(graph, dx2, dyv.shape)
+        for idx, new in ((0, dx), (1, dw), (2, db)):
+            for g in getitem_users(m.bwd).get(idx, []):
+                g.replace_all_uses_with(new)
+                graph.erase_node(g)
+        graph.erase_node(m.bwd)
+        fx_utils.erase_if_unused(graph, m.chain + [m.gemm])
+        rep.rewrite(
+            self.name, self.stage, [m.bwd.name, m.gemm.name],
+            {"M": mv, "K": val(dy2).shape[1], "N": nv, "dy": list(dyv.shape)}, val(dy2).dtype,
+            describe_mm_norm_backward(val(dy2), nv, a["is_rms"]),
+            f"{'RMSNorm' if a['is_rms'] else 'LayerNorm'}, reads {'hh' if a['src_is_normed'] else 'x + stats'}, "
+            f"extra gradient={'yes' if m.extra is not None else 'no'}",
+        )
+
+

@@ -1,0 +1,30 @@
+"""fusenorm: normalization fused into neighbouring GEMMs under torch.compile.
+
+``patterns/`` is a top-level folder of the repository but ships as ``fusenorm_inductor.patterns``.
+The ``torch_dynamo_backends`` entry point makes ``torch.compile(model, backend="fusenorm")`` work with no
+import. The one-file module ``fusenorm`` exists so that ``TORCH_LOGS="+fusenorm"`` names an importable
+module (torch checks log names against importable modules when it is imported).
+"""
+
+from setuptools import setup
+
+setup(
+    name="fusenorm",
+    version="0.1.0",
+    description="torch.compile plugin fusing LayerNorm/RMSNorm into neighbouring GEMMs (Triton kernels)",
+    python_requires=">=3.10",
+    packages=["fusenorm_inductor", "fusenorm_inductor.ops", "fusenorm_inductor.patterns"],
+    package_dir={
+        "fusenorm_inductor": "fusenorm_inductor",
+        "fusenorm_inductor.ops": "fusenorm_inductor/ops",
+        "fusenorm_inductor.patterns": "patterns",
+    },
+    py_modules=["fusenorm"],
+    install_requires=["torch>=2.11", "sympy"],
+    extras_require={
+        "test": ["pytest", "numpy<2.4", "hypothesis"],
+        "plot": ["matplotlib"],
+        "examples": ["transformers"],
+    },
+    entry_points={"torch_dynamo_backends": ["fusenorm = fusenorm_inductor.backend:fusenorm_backend"]},
+)

@@ -1,0 +1,41 @@
+"""Shared test setup.
+
+- Inductor's caches are off: on a cache hit custom passes do not run, so counters and reports would be
+  empty and a test could pass without compiling anything.
+- Without CUDA, Triton kernels are tested in the interpreter (TRITON_INTERPRET must be set before any
+  kernel module is imported).
+"""
+
+import os
+
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import fusenorm_inductor  # noqa: E402
+from fusenorm_inductor import config  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_state():
+    """Each test compiles from scratch, with fusenorm's counters and reports empty, and errors raised."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    fusenorm_inductor.report.clear()
+    with config.patch(fallback_on_error=False):
+        yield
+    torch._dynamo.reset()
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param

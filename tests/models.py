@@ -1,0 +1,149 @@
+"""Small models in every form users write a post-norm, and the compiled-vs-eager comparison the tests use."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+NORM_FORMS = ("nn.LayerNorm", "F.layer_norm", "nn.RMSNorm", "F.rms_norm", "torch.rms_norm", "llama")
+RMS_FORMS = ("nn.RMSNorm", "F.rms_norm", "torch.rms_norm", "llama")
+
+
+class LlamaRMSNorm(nn.Module):
+    """The hand-written RMSNorm of HF LLaMA (fp32 upcast, cast back, then the weight)."""
+
+    def __init__(self, n: int, eps: float = 1e-6, affine: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(n)) if affine else None
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        var = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(var + self.eps)
+        return self.weight * x.to(dtype) if self.weight is not None else x.to(dtype)
+
+
+class Norm(nn.Module):
+    """One norm over the last dim, written as ``form``; affine params drawn at random (never 1/0)."""
+
+    def __init__(self, form: str, n: int, affine: bool = True, eps: Optional[float] = None, bias: bool = True):
+        super().__init__()
+        self.form, self.n = form, n
+        self.eps = eps if eps is not None else (1e-6 if form == "llama" else 1e-5)
+        rms = form in RMS_FORMS
+        if form == "llama":
+            self.impl = LlamaRMSNorm(n, self.eps, affine)
+        elif form == "nn.LayerNorm":
+            self.impl = nn.LayerNorm(n, eps=self.eps, elementwise_affine=affine, bias=bias)
+        elif form == "nn.RMSNorm":
+            self.impl = nn.RMSNorm(n, eps=eps, elementwise_affine=affine)  # eps None: the dtype's eps
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(n)) if affine and form.startswith(("F.", "torch.")) else None
+        self.bias = (nn.Parameter(0.1 * torch.randn(n)) if affine and bias and not rms
+                     and form.startswith("F.") else None)
+        with torch.no_grad():  # random affine parameters, so that a dropped weight or bias is caught
+            for name, p in self.named_parameters():
+                p.copy_(0.1 * torch.randn_like(p) + (1.0 if name.endswith("weight") else 0.0))
+
+    def forward(self, h):
+        f = self.form
+        if f == "F.layer_norm":
+            return F.layer_norm(h, (self.n,), self.weight, self.bias, self.eps)
+        if f == "F.rms_norm":
+            return F.rms_norm(h, (self.n,), self.weight, self.eps)
+        if f == "torch.rms_norm":
+            return torch.rms_norm(h, (self.n,), self.weight, self.eps)
+        return self.impl(h)
+
+
+class PostNormBlock(nn.Module):
+    """``linear -> [+ residual] -> norm [-> linear]``, the post-norm shapes the fusion targets."""
+
+    def __init__(self, k: int, n: int, form: str = "nn.LayerNorm", affine: bool = True, linear_bias: bool = True,
+                 residual: Optional[str] = None, next_linear: bool = True, eps: Optional[float] = None,
+                 out: int = 24):
+        super().__init__()
+        self.lin = nn.Linear(k, n, bias=linear_bias)
+        self.norm = Norm(form, n, affine, eps)
+        self.residual = residual
+        self.out = nn.Linear(n, out) if next_linear else None
+
+    def forward(self, x, r=None):
+        h = self.lin(x)
+        if self.residual == "right":
+            h = h + r
+        elif self.residual == "left":
+            h = r + h
+        y = self.norm(h)
+        return self.out(y) if self.out is not None else y
+
+
+# ---- running and comparing ---------------------------------------------------------------------------
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+"""Floor of the allowed error, relative to the reference's largest magnitude. fp32: summation order only
+(a few ulps times sqrt of the reduction length); fp16/bf16: a few units of the format's rounding (2^-11,
+2^-8). The main bound is relative to Inductor's own error (see ``assert_matches_eager``)."""
+
+
+def fwd_bwd(model: nn.Module, inputs: tuple, autocast: Optional[torch.dtype] = None):
+    inputs = tuple(i.detach().clone().requires_grad_(i.is_floating_point()) if i is not None else None
+                   for i in inputs)
+    device = next(model.parameters()).device.type
+    with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+        out = model(*inputs)
+    # A fixed random cotangent: exercises every output element and every gradient path.
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device, out.dtype)
+    out.backward(g)
+    grads = [p.grad for p in model.parameters()] + [i.grad for i in inputs if i is not None]
+    return out.detach(), [x.detach() if x is not None else None for x in grads]
+
+
+def _err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest error relative to the reference's largest magnitude, or absolute below magnitude 1 (some
+    gradients are sums that cancel to ~0 exactly, e.g. a bias feeding a norm over another dim)."""
+    return ((a.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1.0)).item()
+
+
+def assert_matches_eager(make_model: Callable[[], nn.Module], inputs: tuple, dtype: torch.dtype,
+                         device: str, backend="fusenorm", autocast: Optional[torch.dtype] = None,
+                         compile_fn: Optional[Callable] = None) -> None:
+    """Compiled (``backend``) vs an fp32 eager reference, outputs and every gradient.
+
+    The reference is the same model in fp32 from the same (``dtype``-rounded) parameters and inputs. The
+    error allowed is twice what eager in ``dtype`` itself makes against that reference, plus the floor
+    ``TOL[dtype]``: fusenorm must be no less accurate than running the model unfused.
+    """
+    torch.manual_seed(0)
+    base = make_model().to(device=device, dtype=dtype if autocast is None else torch.float32)
+    inputs = tuple(i.to(device=device, dtype=dtype if autocast is None else torch.float32)
+                   if i is not None else None for i in inputs)
+    ref_model = copy.deepcopy(base).float()
+    ref = fwd_bwd(ref_model, tuple(i.float() if i is not None else None for i in inputs))
+    eager = fwd_bwd(copy.deepcopy(base), inputs, autocast)
+    test_model = copy.deepcopy(base)
+    compiled = (compile_fn or (lambda m: torch.compile(m, backend=backend, dynamic=False)))(test_model)
+    got = fwd_bwd(test_model if compiled is test_model else compiled, inputs, autocast)
+    names = ["output"] + [f"grad {n}" for n, _ in base.named_parameters()] + [
+        f"grad input{i}" for i, x in enumerate(inputs) if x is not None]
+    floor = TOL[autocast or dtype]
+    for name, r, e, g in zip(names, [ref[0]] + ref[1], [eager[0]] + eager[1], [got[0]] + got[1]):
+        if r is None:
+            assert g is None, f"{name}: reference has no gradient but compiled has one"
+            continue
+        assert g is not None, f"{name}: compiled model produced no gradient"
+        assert g.dtype == e.dtype and g.shape == e.shape, f"{name}: {g.dtype}{tuple(g.shape)} vs eager {e.dtype}{tuple(e.shape)}"
+        assert torch.isfinite(g).all(), f"{name}: non-finite values"
+        bound = 2 * _err(e, r) + floor
+        err = _err(g, r)
+        assert err <= bound, f"{name}: error {err:.3g} vs fp32 reference exceeds {bound:.3g} (eager {_err(e, r):.3g})"
+
+
+def fusenorm_counts() -> dict:
+    return {k: v for k, v in counters["fusenorm"].items() if not k.startswith("canonical")}
