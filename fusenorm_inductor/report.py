@@ -88,7 +88,8 @@ class GraphReport:
         if self.errors:
             lines += ["", "## Errors (the graph was left to plain Inductor)", ""]
             lines += [f"- {e}" for e in self.errors]
-        lines += ["", "## Dumps", ""] + [f"- {name}" for name in sorted(self.dumps)]
+        if self.dumps:
+            lines += ["", "## Dumps (in this directory)", ""] + [f"- {name}" for name in sorted(self.dumps)]
         return "\n".join(lines) + "\n"
 
     def to_json(self) -> str:

@@ -1,0 +1,126 @@
+"""First timing of post-norm fusion on CUDA: fusenorm vs plain Inductor, forward and forward+backward.
+
+For each (K, N) at M rows, bf16, it compiles (``dynamic=False``, Dynamo reset per point):
+- ``linear -> norm``              forward (under no_grad) and forward+backward;
+- ``linear -> norm -> linear``    forward+backward (the norm backward regrouped into the next linear's
+                                  data-gradient GEMM);
+with ``backend="inductor"`` and ``backend="fusenorm"``, and reports the median time
+(``triton.testing.do_bench``) and the peak memory of each, plus cuBLAS's GEMM alone for scale.
+
+    python benchmarks/bench_post_norm.py --out benchmarks/results/post_norm_first_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+
+import torch
+import torch.nn as nn
+
+SHAPES = [(256, 256), (512, 512), (1024, 1024)]
+
+
+class PostNorm(nn.Module):
+    def __init__(self, k, n, rms, affine, next_linear):
+        super().__init__()
+        self.lin = nn.Linear(k, n, bias=False)
+        self.norm = nn.RMSNorm(n, elementwise_affine=affine) if rms else nn.LayerNorm(n, elementwise_affine=affine)
+        self.out = nn.Linear(n, n, bias=False) if next_linear else None
+
+    def forward(self, x):
+        y = self.norm(self.lin(x))
+        return self.out(y) if self.out is not None else y
+
+
+def measure(fn, reset_peak=True):
+    from triton.testing import do_bench
+
+    fn()  # compile / warm up
+    torch.cuda.synchronize()
+    if reset_peak:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return ms, peak
+
+
+def bench_point(m, k, n, rms, affine, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    row = {"M": m, "K": k, "N": n, "norm": "rms" if rms else "layer", "affine": affine}
+    row["mm_ms"], _ = measure(lambda: torch.mm(x, w.t()))
+    for backend in ("inductor", "fusenorm"):
+        for case, next_linear, train in (("fwd", False, False), ("fwdbwd", False, True), ("fwdbwd_next", True, True)):
+            torch._dynamo.reset()
+            model = PostNorm(k, n, rms, affine, next_linear).to("cuda", dtype)
+            compiled = torch.compile(model, backend=backend, dynamic=False)
+            xg = x.detach().requires_grad_(train)
+            if train:
+                g = torch.randn(m, n, device="cuda", dtype=dtype)
+
+                def step():
+                    compiled(xg).backward(g)
+            else:
+
+                def step():
+                    with torch.no_grad():
+                        compiled(xg)
+
+            ms, peak = measure(step)
+            row[f"{backend}_{case}_ms"], row[f"{backend}_{case}_peak_mib"] = round(ms, 4), round(peak, 1)
+    for case in ("fwd", "fwdbwd", "fwdbwd_next"):
+        row[f"speedup_{case}"] = round(row[f"inductor_{case}_ms"] / row[f"fusenorm_{case}_ms"], 3)
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=262144)
+    p.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="KxN,KxN,...")
+    p.add_argument("--norms", default="layer,rms")
+    p.add_argument("--affine", action="store_true")
+    p.add_argument("--out", default=None, help="JSON file to write")
+    args = p.parse_args()
+    os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+    import triton
+
+    import fusenorm_inductor  # noqa: F401
+
+    rows = []
+    for shape in args.shapes.split(","):
+        k, n = map(int, shape.split("x"))
+        for norm in args.norms.split(","):
+            r = bench_point(args.rows, k, n, norm == "rms", args.affine, torch.bfloat16)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+        "dtype": "bfloat16",
+        "timer": "triton.testing.do_bench median, ms",
+        "peak": "max_memory_allocated above the inputs during the timed calls, MiB",
+    }
+    print(f"\n{'K':>5} {'N':>5} {'norm':>5} | {'mm':>6} | {'fwd ind':>7} {'fwd fn':>7} {'x':>5} | "
+          f"{'f+b ind':>7} {'f+b fn':>7} {'x':>5} | {'+lin ind':>8} {'+lin fn':>8} {'x':>5}")
+    for r in rows:
+        print(f"{r['K']:5d} {r['N']:5d} {r['norm']:>5} | {r['mm_ms']:6.3f} | "
+              f"{r['inductor_fwd_ms']:7.3f} {r['fusenorm_fwd_ms']:7.3f} {r['speedup_fwd']:5.2f} | "
+              f"{r['inductor_fwdbwd_ms']:7.3f} {r['fusenorm_fwdbwd_ms']:7.3f} {r['speedup_fwdbwd']:5.2f} | "
+              f"{r['inductor_fwdbwd_next_ms']:8.3f} {r['fusenorm_fwdbwd_next_ms']:8.3f} {r['speedup_fwdbwd_next']:5.2f}")
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
