@@ -1,6 +1,8 @@
 """fusenorm: normalization fused into neighbouring GEMMs under torch.compile.
 
-``patterns/`` is a top-level folder of the repository but ships as ``fusenorm_inductor.patterns``.
+``patterns/`` is a top-level folder of the repository; it ships as ``fusenorm_inductor.patterns`` through the
+symbolic link ``fusenorm_inductor/patterns -> ../patterns`` (a link rather than a ``package_dir`` mapping, so
+that a source checkout and every kind of editable install import it the same way; wheels copy the files).
 The ``torch_dynamo_backends`` entry point makes ``torch.compile(model, backend="fusenorm")`` work with no
 import. The one-file module ``fusenorm`` exists so that ``TORCH_LOGS="+fusenorm"`` names an importable
 module (torch checks log names against importable modules when it is imported).
@@ -14,11 +16,6 @@ setup(
     description="torch.compile plugin fusing LayerNorm/RMSNorm into neighbouring GEMMs (Triton kernels)",
     python_requires=">=3.10",
     packages=["fusenorm_inductor", "fusenorm_inductor.ops", "fusenorm_inductor.patterns"],
-    package_dir={
-        "fusenorm_inductor": "fusenorm_inductor",
-        "fusenorm_inductor.ops": "fusenorm_inductor/ops",
-        "fusenorm_inductor.patterns": "patterns",
-    },
     py_modules=["fusenorm"],
     install_requires=["torch>=2.11", "sympy"],
     extras_require={

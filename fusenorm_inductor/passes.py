@@ -5,8 +5,11 @@ Two stages, each an Inductor ``CustomGraphPass`` (so the FX graph cache keys on 
 - ``pre_grad`` (slot ``pre_grad_custom_pass``, Dynamo's torch-level graph): every LayerNorm/RMSNorm form is
   rewritten into the canonical op ``fusenorm::norm`` whose autograd calls ``fusenorm::norm_backward``. The
   norms then reach the joint graph whole, the same on every device and torch version.
-- ``joint`` (slot ``joint_custom_post_pass``, the ATen forward+backward graph before partitioning): the
-  fusion patterns, then the decomposition of canonical ops left unfused. Fusing here, before the
+- ``joint`` (slot ``joint_custom_pre_pass``, the ATen forward+backward graph before partitioning): the
+  fusion patterns, then the decomposition of canonical ops left unfused. The *pre* slot runs before
+  Inductor's own joint-graph patterns; on CUDA one of them (pad_mm) pads unaligned GEMMs into
+  pad/mm/slice, which would hide the GEMM from our patterns. The norms left unfused are decomposed here
+  too, so Inductor's patterns then see them as they always do. Fusing here, before the
   partitioner decides what the backward keeps, is what lets a fused forward save the normalized ``hh``
   (or nothing extra) instead of the pre-norm tensor, which the fused kernel never writes.
 
@@ -122,7 +125,7 @@ def _render_parts(graph: fx.Graph, stage: str) -> dict[str, str]:
 
 PRE_GRAD = FusenormPass("pre_grad")
 JOINT = FusenormPass("joint")
-SLOTS = {"pre_grad_custom_pass": PRE_GRAD, "joint_custom_post_pass": JOINT}
+SLOTS = {"pre_grad_custom_pass": PRE_GRAD, "joint_custom_pre_pass": JOINT}
 
 
 class ChainedPass(CustomGraphPass):

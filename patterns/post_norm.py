@@ -32,7 +32,7 @@ aten = torch.ops.aten
 NORM = torch.ops.fusenorm.norm.default
 NORM_BWD = torch.ops.fusenorm.norm_backward.default
 MM_NORM = torch.ops.fusenorm.mm_norm.default
-VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default)
 CONVERT = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -58,9 +58,17 @@ def _convert_source(node: Node) -> Optional[Node]:
 
 
 def norm_backward_partners(norm: Node) -> list[Node]:
-    """The ``fusenorm::norm_backward`` nodes of this norm: they read its saved mean/rstd outputs."""
-    stats = {g for i, gs in getitem_users(norm).items() if i in (1, 2) for g in gs}
-    return [u for s in stats for u in s.users if is_op(u, NORM_BWD)]
+    """The ``fusenorm::norm_backward`` nodes of this norm: they read its saved mean/rstd outputs (in the
+    joint graph's pre pass, through chains of ``aten.alias``)."""
+    found: list[Node] = []
+    todo = [g for i, gs in getitem_users(norm).items() if i in (1, 2) for g in gs]
+    while todo:
+        for u in todo.pop().users:
+            if is_op(u, NORM_BWD) and u not in found:
+                found.append(u)
+            elif is_op(u, aten.alias.default):
+                todo.append(u)
+    return found
 
 
 class LinearNormFwd(Pattern):

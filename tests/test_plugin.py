@@ -43,7 +43,7 @@ def test_enable_disable_plain_torch_compile():
         assert fusenorm_counts() == FUSED_BOTH
     finally:
         fusenorm_inductor.disable()
-    assert inductor_config.pre_grad_custom_pass is None and inductor_config.joint_custom_post_pass is None
+    assert inductor_config.pre_grad_custom_pass is None and inductor_config.joint_custom_pre_pass is None
     torch._dynamo.reset()
     assert_matches_eager(lambda: PostNormBlock(24, 40), (x,), torch.float32, "cpu", backend="inductor")
     assert fusenorm_counts() == FUSED_BOTH  # unchanged: nothing more was fused after disable()
@@ -55,14 +55,14 @@ def test_user_pass_in_same_slot_keeps_running():
     def user_pass(graph):
         seen.append(len(graph.nodes))
 
-    with inductor_config.patch(joint_custom_post_pass=user_pass):
+    with inductor_config.patch(joint_custom_pre_pass=user_pass):
         fusenorm_inductor.enable()
         try:
             assert_matches_eager(lambda: PostNormBlock(24, 40), (torch.randn(9, 24),), torch.float32, "cpu",
                                  backend="inductor")
         finally:
             fusenorm_inductor.disable()
-        assert inductor_config.joint_custom_post_pass is user_pass  # disable() gave the slot back
+        assert inductor_config.joint_custom_pre_pass is user_pass  # disable() gave the slot back
         assert seen, "the user's pass did not run"
         assert fusenorm_counts() == FUSED_BOTH
         # The backend chains after the user's pass too.
