@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernel_choice import single_tile
+
 
 @triton.jit
 def tile_matmul(
@@ -111,7 +113,6 @@ def pow2_at_least(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(max(1, x)))
 
 
-MAX_SINGLE_BLOCK_N = 256  # widest full-row tile: 64 x 256 at 8 warps, 64 fp32 values per thread per array
 MULTI_BLOCK_N = 128  # N tile of the multi-tile path (128 x 128 tiles, the usual Hopper GEMM tile)
 FINALIZE_ELEMS = 4096  # elements per program of the elementwise finalize kernels (8 warps: 16 per thread)
 FINALIZE_WARPS = 8
@@ -129,16 +130,14 @@ def gemm_config(
 ):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, single_tile) for the GEMM kernels: a heuristic, no autotune.
 
-    Single tile when the padded row fits MAX_SINGLE_BLOCK_N, else N tiles of MULTI_BLOCK_N.
+    Single tile when the padded row fits one tile (kernel_choice.single_tile), else N tiles of MULTI_BLOCK_N.
     ``force_block_n`` (a test hook, a power of two >= 16) fixes the N tile: N > force_block_n goes multi-tile.
     """
     if force_block_n is not None:
         block_n, single = force_block_n, n <= force_block_n
     else:
-        block_n = pow2_at_least(n)
-        single = block_n <= MAX_SINGLE_BLOCK_N
-        if not single:
-            block_n = MULTI_BLOCK_N
+        single = single_tile(n)
+        block_n = pow2_at_least(n) if single else MULTI_BLOCK_N
     # 128-row tiles; 64 for 256-wide ones (register budget) or when 128-row tiles would leave SMs idle.
     block_m = 64 if block_n >= 256 else 128
     if block_m == 128 and triton.cdiv(m, 128) * triton.cdiv(n, block_n) < _num_sms(device):

@@ -1,19 +1,30 @@
-"""What kernel a fused op runs for a shape, in words, for the match report (no triton import here)."""
+"""Which kernel path a fused op takes for a shape (shared by the launchers and the match report; no triton
+import here, so the report works on machines without triton)."""
 
 from __future__ import annotations
 
 import torch
 
+# Widest row one program normalizes in its epilogue (a 64 x 256 fp32 tile at 8 warps); wider rows take
+# the multi-tile path (GEMM tiles write per-tile row statistics, a second kernel normalizes).
+MAX_SINGLE_BLOCK_N = 256
 
-def _device_kernel(t: torch.Tensor, op: str) -> str:
+
+def single_tile(n: int) -> bool:
+    """Whether a row of width n fits one tile (its power-of-two padding is at most MAX_SINGLE_BLOCK_N)."""
+    return max(16, 1 << max(0, n - 1).bit_length()) <= MAX_SINGLE_BLOCK_N
+
+
+def _describe(t: torch.Tensor, op: str, n: int, what: str) -> str:
     if t.device.type != "cuda":
         return f"fusenorm::{op} ({t.device.type}: plain-torch reference)"
-    return f"fusenorm::{op} (cuda: Triton)"
+    path = "single-tile epilogue" if single_tile(n) else f"multi-tile: GEMM + row partials, then {what}"
+    return f"fusenorm::{op} (cuda: Triton, {path})"
 
 
 def describe_mm_norm(a: torch.Tensor, n: int, is_rms: bool) -> str:
-    return _device_kernel(a, "mm_norm")
+    return _describe(a, "mm_norm", n, "normalize")
 
 
 def describe_mm_norm_backward(dy: torch.Tensor, n: int, is_rms: bool) -> str:
-    return _device_kernel(dy, "mm_norm_backward")
+    return _describe(dy, "mm_norm_backward", n, "finish dx")
