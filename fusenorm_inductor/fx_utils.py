@@ -119,10 +119,6 @@ def inline(graph: fx.Graph, fn: Callable, args: Sequence[Any]) -> Any:
     return out
 
 
-def replace_all_uses(old: Node, new: Node) -> None:
-    old.replace_all_uses_with(new)
-
-
 def erase_if_unused(graph: fx.Graph, nodes: Iterable[Node]) -> None:
     """Erase the given nodes (and then their now-dead inputs among them) once nothing uses them."""
     pending = list(nodes)

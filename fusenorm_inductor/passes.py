@@ -26,7 +26,6 @@ import os
 import warnings
 from typing import Any, Callable, Optional
 
-import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 

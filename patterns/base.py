@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
-import torch
 import torch.fx as fx
 from torch.fx import Node
 
@@ -93,7 +92,3 @@ def getitem_users(node: Node) -> dict[int, list[Node]]:
         if u.op == "call_function" and u.target is operator.getitem:
             out.setdefault(u.args[1], []).append(u)
     return out
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")

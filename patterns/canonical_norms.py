@@ -21,7 +21,7 @@ from fusenorm_inductor import fx_utils
 from fusenorm_inductor.fx_utils import val
 from fusenorm_inductor.report import GraphReport
 
-from .base import Pattern, Reject, require
+from .base import Pattern, require
 
 NORM = torch.ops.fusenorm.norm.default
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import fusenorm_inductor
 from fusenorm_inductor import config
 
-from .models import NORM_FORMS, Norm, PostNormBlock, assert_matches_eager, fusenorm_counts
+from .models import NORM_FORMS, PostNormBlock, assert_matches_eager, fusenorm_counts
 
 FUSED_BOTH = {"linear_norm_fwd": 1, "dgrad_norm_bwd": 1}
 
