@@ -79,6 +79,7 @@ class FusenormPass(CustomGraphPass):
         rep = report.for_stage(self.stage)
         before = _render_parts(graph, self.stage) if config.debug_dir else {}
         backup = _copy_graph(graph) if config.fallback_on_error else None
+        recorded = (len(rep.rewrites), len(rep.skips))
         try:
             run_stage(self.stage, graph, rep)
             graph.lint()
@@ -86,6 +87,7 @@ class FusenormPass(CustomGraphPass):
             if backup is None:
                 raise
             _restore_graph(graph, backup)
+            rep.rollback(*recorded)
             msg = f"{self.stage} pass failed ({type(e).__name__}: {e}); graph left to plain Inductor"
             rep.errors.append(msg)
             warnings.warn(f"fusenorm: {msg}")

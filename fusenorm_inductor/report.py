@@ -62,6 +62,14 @@ class GraphReport:
     def skip(self, pattern: str, stage: str, node, reason: str) -> None:
         self.skips.append(Skip(pattern, stage, str(node), reason))
 
+    def rollback(self, n_rewrites: int, n_skips: int) -> None:
+        """Forget what a stage recorded after the given counts (its graph was restored after an error)."""
+        for r in self.rewrites[n_rewrites:]:
+            counters["fusenorm"][r.pattern] -= 1
+            if not counters["fusenorm"][r.pattern]:
+                del counters["fusenorm"][r.pattern]
+        del self.rewrites[n_rewrites:], self.skips[n_skips:]
+
     def summary(self, stage: str) -> str:
         done = Counter(r.pattern for r in self.rewrites if r.stage == stage)
         left = sum(1 for s in self.skips if s.stage == stage)
