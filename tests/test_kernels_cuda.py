@@ -14,6 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from fusenorm_inductor.ops import _triton_common as common  # noqa: E402
+
 from . import kernel_cases as kc  # noqa: E402  (imports the kernel modules)
 from .kernel_cases import BF16, BWD_CASES, EPS, F16, F32, FWD_CASES, NORMS, bwd_k, fwd_k  # noqa: E402
 
@@ -82,6 +84,25 @@ def test_forward_variants(case, n, dtype, is_rms):
 def test_forward_layernorm_large_mean(n, dtype, m=M, k=257):
     """Rows of 1000 + N(0, ~2): two-pass / Chan variance, h - tile_mean in the multi-tile scratch."""
     TARGET.check_layernorm_large_mean(m, k, n, dtype, w_max=5.0)
+
+
+@pytest.mark.parametrize("n", [40, 256])
+@NORMS
+def test_forward_tma_path(monkeypatch, n, is_rms, m=M, k=64):
+    """Aligned 16-bit operands with a transposed weight take the TMA kernel on Hopper; it agrees with the
+    pointer-load kernel to bf16 rounding, and keeps |mean| >> std accurate."""
+    a = torch.randn(m, k, device="cuda", dtype=BF16)
+    b = torch.randn(n, k, device="cuda", dtype=BF16).t()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm_90+")
+    assert common.tma_eligible(a, b, common.pow2_at_least(n))
+    args = (a, b, None, None, None, None, EPS, is_rms, None, False)
+    y_tma = fwd_k.mm_norm_triton(*args)[0].float()
+    monkeypatch.setattr(common, "_FORCE_TMA", False)
+    y_ptr = fwd_k.mm_norm_triton(*args)[0].float()
+    torch.testing.assert_close(y_tma, y_ptr, **kc.CUDA_TOL[BF16])
+    monkeypatch.setattr(common, "_FORCE_TMA", None)
+    TARGET.check_layernorm_large_mean(m, k, n, BF16, w_max=5.0)
 
 
 @TF32_PATHS

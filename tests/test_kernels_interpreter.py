@@ -36,6 +36,8 @@ for _name in (
     if _name in sys.modules:
         importlib.reload(sys.modules[_name])
 
+from fusenorm_inductor.ops import _triton_common as common  # noqa: E402
+
 from . import kernel_cases as kc  # noqa: E402  (imports the kernel modules)
 from .kernel_cases import EPS, F16, F32, FWD_CASES, NORMS, bwd_k, fwd_k  # noqa: E402
 
@@ -105,6 +107,25 @@ def test_backward_matches_reference(path, case, dtype, is_rms):
     m, k, n = BWD_SHAPES[case]
     _assert_path(path, m, n, k, dtype, bwd_k)
     TARGET.run_backward(BWD_CASES[case], m, k, n, dtype, is_rms)
+
+
+class _Forbidden:
+    """Stands in for a kernel that must not be launched."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("the pointer-load kernel ran where the TMA kernel was expected")
+
+
+@pytest.mark.parametrize("case", [c for c, v in FWD_CASES.items() if v.b_t and not v.col_major])
+@pytest.mark.parametrize("mkn", [(257, 40, 24), (33, 64, 40), (130, 72, 256)], ids=lambda s: "x".join(map(str, s)))
+@NORMS
+def test_forward_tma_single_tile(monkeypatch, case, mkn, is_rms):
+    """The Hopper path (TMA-fed persistent loop), forced onto CPU tensors: M, N, K not multiples of the
+    blocks (TMA zero-fills out of bounds), several row blocks per program (4 programs here)."""
+    monkeypatch.setattr(common, "_FORCE_TMA", True)
+    monkeypatch.setattr(fwd_k, "_mm_norm_fwd_fused_kernel", _Forbidden())
+    m, k, n = mkn
+    TARGET.run_forward(FWD_CASES[case], m, k, n, F16, is_rms)
 
 
 # ----------------------------------------------------------------------------------------------------------

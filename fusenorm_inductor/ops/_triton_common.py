@@ -119,10 +119,48 @@ FINALIZE_WARPS = 8
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 1
+        return 4  # the interpreter: a few persistent programs, so the persistent loops are exercised
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# (BLOCK_M, BLOCK_K, num_stages, num_warps) of the TMA single-tile kernels: the best 128 x 256 x 64 config
+# of benchmarks/probe_gemm_base.py on the H200 (0.90-0.98x cuBLAS as a plain GEMM).
+TMA_SINGLE_CONFIG = (128, 64, 3, 8)
+
+# Test hook: None = TMA wherever eligible; False = never (the pointer kernels); True = also on CPU tensors
+# (the interpreter tests run the TMA kernels through it).
+_FORCE_TMA: Optional[bool] = None
+
+
+def tma_eligible(a: torch.Tensor, b: torch.Tensor, block_n: int) -> bool:
+    """A [M, K] row-major and b = W.T with W [N, K] row-major, 16-bit, rows 16-byte aligned, on sm_90+.
+
+    TMA copies boxes of a row-major 2-D tensor whose row pitch and base are 16-byte aligned; out-of-bounds
+    reads are zero-filled, so M, N and K need not be multiples of the block."""
+    if _FORCE_TMA is False or block_n > 256:
+        return False
+    if a.device.type != "cuda" and not _FORCE_TMA:
+        return False
+    if a.device.type == "cuda" and torch.cuda.get_device_capability(a.device)[0] < 9:
+        return False
+    k = a.shape[1]
+    return (
+        a.dtype in (torch.float16, torch.bfloat16)
+        and a.stride() == (k, 1)
+        and b.stride() == (1, k)
+        and (k * a.element_size()) % 16 == 0
+        and a.data_ptr() % 16 == 0
+        and b.data_ptr() % 16 == 0
+    )
+
+
+def tensor_descriptor(t: torch.Tensor, block_shape: list[int]):
+    """A host-side TMA descriptor (no device allocator needed, unlike tl.make_tensor_descriptor)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block_shape)
 
 
 def gemm_config(
@@ -140,7 +178,7 @@ def gemm_config(
         block_n = pow2_at_least(n) if single else MULTI_BLOCK_N
     # 128-row tiles; 64 for 256-wide ones (register budget) or when 128-row tiles would leave SMs idle.
     block_m = 64 if block_n >= 256 else 128
-    if block_m == 128 and triton.cdiv(m, 128) * triton.cdiv(n, block_n) < _num_sms(device):
+    if block_m == 128 and triton.cdiv(m, 128) * triton.cdiv(n, block_n) < num_sms(device):
         block_m = 64
     block_m = min(block_m, pow2_at_least(m))
     # fp32 operands take twice the shared memory per element: halve BLOCK_K.

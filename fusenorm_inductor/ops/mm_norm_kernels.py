@@ -6,9 +6,12 @@ to the pre-norm dtype.
 
 Two paths, chosen by ``gemm_config`` (_triton_common.py):
 
-- single tile (N <= 256): one program owns BLOCK_M full rows. ``_mm_norm_fwd_fused_kernel`` computes the
-  GEMM tile, adds bias/residual, takes the row statistics in registers (two-pass for LayerNorm) and writes
-  y, hh, mean, rstd. Grid: cdiv(M, BLOCK_M).
+- single tile (N <= 256): one program owns BLOCK_M full rows: the GEMM tile, bias/residual, the row
+  statistics in registers (two-pass for LayerNorm), then y, hh, mean, rstd (``_full_row_epilogue``).
+  On Hopper with TMA-compatible operands (``tma_eligible``: 16-bit, A row-major, b a transposed row-major
+  weight, 16-byte aligned rows) ``_mm_norm_fwd_tma_kernel`` does this in a persistent loop fed by TMA
+  (measured: benchmarks/probe_gemm_base.py); otherwise ``_mm_norm_fwd_fused_kernel`` with masked pointer
+  loads, any strides, grid cdiv(M, BLOCK_M).
 - multi tile (N > 256): a row spans cdiv(N, BLOCK_N) programs that cannot talk to each other (no DSMEM in
   Triton 3.6, platform.md), so the reduction is split:
   1. ``_mm_norm_fwd_partial_kernel`` (grid cdiv(M, BLOCK_M) * n_tiles) writes per-(tile, row) fp32
@@ -40,11 +43,15 @@ from torch import Tensor
 
 from ._triton_common import (
     FINALIZE_WARPS,
+    TMA_SINGLE_CONFIG,
     chan_combine,
     dot_input_precision,
     finalize_block_m,
     gemm_config,
+    num_sms,
+    tensor_descriptor,
     tile_matmul,
+    tma_eligible,
 )
 
 __all__ = ["mm_norm_triton"]
@@ -124,13 +131,25 @@ def _mm_norm_fwd_fused_kernel(
     pid_m = tl.program_id(0)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N).to(tl.int64)
-    mask_m = rows < M
-    mask_n = cols < N
     h = _prenorm_tile(
         a_ptr, b_ptr, bias_ptr, res_ptr, rows, cols, M, N, K,
         stride_am, stride_ak, stride_bk, stride_bn, stride_bias, stride_rm, stride_rn,
         HAS_BIAS, HAS_RES, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION,
     )
+    _full_row_epilogue(
+        h, rows, cols, M, N, w_ptr, nb_ptr, y_ptr, hh_ptr, mean_ptr, rstd_ptr,
+        stride_w, stride_nb, stride_ym, stride_hm, eps, HAS_W, HAS_NB, IS_RMS, SAVE_NORMED,
+    )
+
+
+@triton.jit
+def _full_row_epilogue(
+    h, rows, cols, M, N, w_ptr, nb_ptr, y_ptr, hh_ptr, mean_ptr, rstd_ptr,
+    stride_w, stride_nb, stride_ym, stride_hm, eps,
+    HAS_W: tl.constexpr, HAS_NB: tl.constexpr, IS_RMS: tl.constexpr, SAVE_NORMED: tl.constexpr,
+):
+    """Norm of whole rows held in registers (h is 0 outside [M, N]); writes y, hh, mean, rstd."""
+    mask_m = rows < M
     # The whole row is in registers, so the exact two-pass variance costs no memory traffic.
     if IS_RMS:
         rstd = tl.rsqrt(tl.sum(h * h, axis=1) / N + eps)
@@ -138,7 +157,7 @@ def _mm_norm_fwd_fused_kernel(
     else:
         mean = tl.sum(h, axis=1) / N
         # Padded columns must not contribute (h - mean) to the variance.
-        d = tl.where(mask_n[None, :], h - mean[:, None], 0.0)
+        d = tl.where((cols < N)[None, :], h - mean[:, None], 0.0)
         rstd = tl.rsqrt(tl.sum(d * d, axis=1) / N + eps)
         hh = d * rstd[:, None]
         tl.store(mean_ptr + rows, mean, mask=mask_m)
@@ -147,6 +166,43 @@ def _mm_norm_fwd_fused_kernel(
         hh, y_ptr, hh_ptr, w_ptr, nb_ptr, rows, cols, M, N, stride_ym, stride_hm, stride_w, stride_nb,
         HAS_W, HAS_NB, SAVE_NORMED,
     )
+
+
+@triton.jit
+def _mm_norm_fwd_tma_kernel(
+    a_desc, w_desc, bias_ptr, res_ptr, w_ptr, nb_ptr,
+    y_ptr, hh_ptr, mean_ptr, rstd_ptr,
+    M, N, K,
+    stride_bias, stride_rm, stride_rn, stride_w, stride_nb, stride_ym, stride_hm,
+    eps,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_NB: tl.constexpr,
+    IS_RMS: tl.constexpr, SAVE_NORMED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_SMS: tl.constexpr,
+):
+    """Single tile on Hopper: the same math as ``_mm_norm_fwd_fused_kernel``, with A [M, K] and the weight
+    W = b.T [N, K] fed by TMA (host-side descriptors; out-of-bounds rows/columns/K read as 0) and a
+    persistent, flattened loop over row blocks, so the next block's loads overlap this block's epilogue.
+    """
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    cols = tl.arange(0, BLOCK_N).to(tl.int64)
+    for rb in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M), NUM_SMS, flatten=True):
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([rb * BLOCK_M, ki * BLOCK_K])
+            w = w_desc.load([0, ki * BLOCK_K])
+            acc = tl.dot(a, w.T, acc)
+        rows = (rb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: row * stride must not overflow
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        if HAS_RES:
+            res = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask, other=0.0)
+            acc += res.to(tl.float32)
+        _full_row_epilogue(
+            acc, rows, cols, M, N, w_ptr, nb_ptr, y_ptr, hh_ptr, mean_ptr, rstd_ptr,
+            stride_w, stride_nb, stride_ym, stride_hm, eps, HAS_W, HAS_NB, IS_RMS, SAVE_NORMED,
+        )
 
 
 @triton.jit
@@ -297,6 +353,20 @@ def mm_norm_triton(
         norm_bias.stride(0) if norm_bias is not None else 0,
     )
     hh_stride = hh.stride(0) if save_normed else 0
+    if single and tma_eligible(a, b, block_n):
+        bm, bk, stages, warps = TMA_SINGLE_CONFIG
+        sms = num_sms(dev)
+        _mm_norm_fwd_tma_kernel[(min(sms, triton.cdiv(m, bm)),)](
+            tensor_descriptor(a, [bm, bk]), tensor_descriptor(b.t(), [block_n, bk]),
+            bias, residual, weight, norm_bias, y, hh, mean, rstd, m, n, k,
+            gemm_args[4], gemm_args[5], gemm_args[6], *w_strides, y.stride(0), hh_stride, float(eps),
+            HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+            HAS_W=weight is not None, HAS_NB=norm_bias is not None,
+            IS_RMS=is_rms, SAVE_NORMED=save_normed,
+            BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=bk, NUM_SMS=sms,
+            num_warps=warps if block_n > 64 else 4, num_stages=stages,
+        )
+        return y, hh, mean, rstd
     if single:
         _mm_norm_fwd_fused_kernel[(triton.cdiv(m, block_m),)](
             a, b, bias, residual, weight, norm_bias, y, hh, mean, rstd,
