@@ -4,8 +4,10 @@ For each (K, N) at M rows, bf16, it compiles (``dynamic=False``, Dynamo reset pe
 - ``linear -> norm``              forward (under no_grad) and forward+backward;
 - ``linear -> norm -> linear``    forward+backward (the norm backward regrouped into the next linear's
                                   data-gradient GEMM);
-with ``backend="inductor"`` and ``backend="fusenorm"``, and reports the median time
-(``triton.testing.do_bench``) and the peak memory of each, plus cuBLAS's GEMM alone for scale.
+with ``backend="inductor"`` and ``backend="fusenorm"``, and reports the median time (``--timer events``:
+``triton.testing.do_bench``, which includes CPU launch overhead whenever the GPU waits for it;
+``--timer cudagraph``: ``do_bench_cudagraph``, GPU time alone) and the peak memory of each, plus cuBLAS's
+GEMM alone for scale.
 
     python benchmarks/bench_post_norm.py --out benchmarks/results/post_norm_first_h200.json
 """
@@ -22,6 +24,7 @@ import torch
 import torch.nn as nn
 
 SHAPES = [(256, 256), (512, 512), (1024, 1024)]
+CASES = ["fwd", "fwdbwd", "fwdbwd_next"]
 
 
 class PostNorm(nn.Module):
@@ -36,15 +39,21 @@ class PostNorm(nn.Module):
         return self.out(y) if self.out is not None else y
 
 
+TIMER = "events"  # or "cudagraph": replay a captured CUDA graph, which leaves out the CPU's launch overhead
+
+
 def measure(fn, reset_peak=True):
-    from triton.testing import do_bench
+    from triton.testing import do_bench, do_bench_cudagraph
 
     fn()  # compile / warm up
     torch.cuda.synchronize()
     if reset_peak:
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
+    if TIMER == "cudagraph":
+        ms = do_bench_cudagraph(fn, rep=300, return_mode="median")
+    else:
+        ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     return ms, peak
 
@@ -57,6 +66,8 @@ def bench_point(m, k, n, rms, affine, dtype):
     row["mm_ms"], _ = measure(lambda: torch.mm(x, w.t()))
     for backend in ("inductor", "fusenorm"):
         for case, next_linear, train in (("fwd", False, False), ("fwdbwd", False, True), ("fwdbwd_next", True, True)):
+            if case not in CASES:
+                continue
             torch._dynamo.reset()
             model = PostNorm(k, n, rms, affine, next_linear).to("cuda", dtype)
             compiled = torch.compile(model, backend=backend, dynamic=False)
@@ -74,7 +85,7 @@ def bench_point(m, k, n, rms, affine, dtype):
 
             ms, peak = measure(step)
             row[f"{backend}_{case}_ms"], row[f"{backend}_{case}_peak_mib"] = round(ms, 4), round(peak, 1)
-    for case in ("fwd", "fwdbwd", "fwdbwd_next"):
+    for case in CASES:
         row[f"speedup_{case}"] = round(row[f"inductor_{case}_ms"] / row[f"fusenorm_{case}_ms"], 3)
     return row
 
@@ -86,7 +97,13 @@ def main():
     p.add_argument("--norms", default="layer,rms")
     p.add_argument("--affine", action="store_true")
     p.add_argument("--out", default=None, help="JSON file to write")
+    p.add_argument("--timer", choices=["events", "cudagraph"], default="events",
+                   help="events: do_bench (includes CPU launch overhead when the GPU waits for it); "
+                        "cudagraph: do_bench_cudagraph (GPU time of the kernels alone)")
+    p.add_argument("--cases", default="fwd,fwdbwd,fwdbwd_next")
     args = p.parse_args()
+    global TIMER, CASES
+    TIMER, CASES = args.timer, args.cases.split(",")
     os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
     import triton
 
@@ -106,16 +123,13 @@ def main():
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
         "dtype": "bfloat16",
-        "timer": "triton.testing.do_bench median, ms",
+        "timer": f"triton.testing.{'do_bench_cudagraph' if TIMER == 'cudagraph' else 'do_bench'} median, ms",
         "peak": "max_memory_allocated above the inputs during the timed calls, MiB",
     }
-    print(f"\n{'K':>5} {'N':>5} {'norm':>5} | {'mm':>6} | {'fwd ind':>7} {'fwd fn':>7} {'x':>5} | "
-          f"{'f+b ind':>7} {'f+b fn':>7} {'x':>5} | {'+lin ind':>8} {'+lin fn':>8} {'x':>5}")
+    print(f"\n{'K':>5} {'N':>5} {'norm':>5} | {'mm':>6} | " + " | ".join(f"{c + ' ind':>14} {c + ' fn':>14} {'x':>5}" for c in CASES))
     for r in rows:
-        print(f"{r['K']:5d} {r['N']:5d} {r['norm']:>5} | {r['mm_ms']:6.3f} | "
-              f"{r['inductor_fwd_ms']:7.3f} {r['fusenorm_fwd_ms']:7.3f} {r['speedup_fwd']:5.2f} | "
-              f"{r['inductor_fwdbwd_ms']:7.3f} {r['fusenorm_fwdbwd_ms']:7.3f} {r['speedup_fwdbwd']:5.2f} | "
-              f"{r['inductor_fwdbwd_next_ms']:8.3f} {r['fusenorm_fwdbwd_next_ms']:8.3f} {r['speedup_fwdbwd_next']:5.2f}")
+        print(f"{r['K']:5d} {r['N']:5d} {r['norm']:>5} | {r['mm_ms']:6.3f} | " + " | ".join(
+            f"{r[f'inductor_{c}_ms']:14.3f} {r[f'fusenorm_{c}_ms']:14.3f} {r[f'speedup_{c}']:5.2f}" for c in CASES))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
