@@ -59,6 +59,20 @@ def tile_matmul(
 
 
 @triton.jit
+def tile_coords(N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(pid_m, pid_n, rows, cols) of this program on a 1-D grid of cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
+    tiles. The N tiles of one row block are adjacent in launch order, so they share that row block's
+    operand in L2; rows/cols are int64 so that index * stride cannot overflow int32."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid_m, pid_n, rows, cols
+
+
+@triton.jit
 def chan_combine(tile_mean, tile_m2, tile_count, N):
     """Row mean and M2 = sum((h - mean)^2) from per-tile partials (Chan et al.'s parallel formula, k-way):
         mean = sum_j n_j * mean_j / N;   M2 = sum_j (M2_j + n_j * (mean_j - mean)^2).

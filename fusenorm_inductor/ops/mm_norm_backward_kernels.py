@@ -40,6 +40,7 @@ from ._triton_common import (
     dot_input_precision,
     finalize_block_m,
     gemm_config,
+    tile_coords,
     tile_matmul,
 )
 
@@ -177,13 +178,7 @@ def _mm_norm_bwd_partial_kernel(
     q1[j, row] = sum_tile(t) (LayerNorm only), q2[j, row] = sum_tile(t * hh), scratch = dn,
     pdw[pid_m, cols] = colsum(dn * hh), pdb[pid_m, cols] = colsum(dn).
     """
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    # N tiles of one row block are adjacent in launch order: they share the dy row block in L2.
-    pid_m = pid // n_tiles
-    pid_n = pid % n_tiles
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_m, pid_n, rows, cols = tile_coords(N, BLOCK_M, BLOCK_N)
     mask_m = rows < M
     dn = _grad_tile(
         dy_ptr, b_ptr, extra_ptr, rows, cols, M, N, K,
@@ -215,17 +210,12 @@ def _mm_norm_bwd_finalize_kernel(
 ):
     """Multi tile, step 2: c_t = sum_j q1[j, row] / N, c_th = sum_j q2[j, row] / N, then with t = dn * w
     LayerNorm: dx = rstd * (t - c_t - hh * c_th);  RMSNorm: dx = rstd * (t - hh * c_th)."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // n_tiles
-    pid_n = pid % n_tiles
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_m, pid_n, rows, cols = tile_coords(N, BLOCK_M, BLOCK_N)
     mask_m = rows < M
     mask = mask_m[:, None] & (cols < N)[None, :]
     # Every program re-sums its rows' partials: n_tiles values per row, cheaper than another launch.
     tiles = tl.arange(0, TILES_P2)
-    pmask = mask_m[:, None] & (tiles < n_tiles)[None, :]
+    pmask = mask_m[:, None] & (tiles < tl.cdiv(N, BLOCK_N))[None, :]
     pidx = tiles.to(tl.int64)[None, :] * M + rows[:, None]
     c_th = tl.sum(tl.load(q2_ptr + pidx, mask=pmask, other=0.0), axis=1) / N
     dn = tl.load(scr_ptr + rows[:, None] * stride_scm + cols[None, :], mask=mask, other=0.0).to(tl.float32)

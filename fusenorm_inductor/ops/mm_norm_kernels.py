@@ -50,6 +50,7 @@ from ._triton_common import (
     gemm_config,
     num_sms,
     tensor_descriptor,
+    tile_coords,
     tile_matmul,
     tma_eligible,
 )
@@ -221,13 +222,7 @@ def _mm_norm_fwd_partial_kernel(
     RMSNorm:   p1[j, row] = sum_tile(h^2), scratch = h.
     n_j = min(BLOCK_N, N - j*BLOCK_N) is the number of valid columns of tile j.
     """
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    # N tiles of one row block are adjacent in launch order: they share the A row block in L2.
-    pid_m = pid // n_tiles
-    pid_n = pid % n_tiles
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_m, pid_n, rows, cols = tile_coords(N, BLOCK_M, BLOCK_N)
     mask_m = rows < M
     mask_n = cols < N
     h = _prenorm_tile(
@@ -267,17 +262,12 @@ def _mm_norm_fwd_finalize_kernel(
     RMSNorm:   rstd = rsqrt(sum_i p1[i, row] / N + eps); hh = scratch * rstd.
     y = hh * w + nb. The program with j == 0 writes mean and rstd.
     """
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // n_tiles
-    pid_n = pid % n_tiles
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_m, pid_n, rows, cols = tile_coords(N, BLOCK_M, BLOCK_N)
     mask_m = rows < M
     mask = mask_m[:, None] & (cols < N)[None, :]
     # Every program re-combines its rows' partials: n_tiles values per row, cheaper than another launch.
     tiles = tl.arange(0, TILES_P2)
-    tile_ok = tiles < n_tiles
+    tile_ok = tiles < tl.cdiv(N, BLOCK_N)
     pmask = mask_m[:, None] & tile_ok[None, :]
     pidx = tiles.to(tl.int64)[None, :] * M + rows[:, None]
     x = tl.load(scr_ptr + rows[:, None] * stride_sm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
