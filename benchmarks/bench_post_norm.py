@@ -126,7 +126,8 @@ def main():
         "timer": f"triton.testing.{'do_bench_cudagraph' if TIMER == 'cudagraph' else 'do_bench'} median, ms",
         "peak": "max_memory_allocated above the inputs during the timed calls, MiB",
     }
-    print(f"\n{'K':>5} {'N':>5} {'norm':>5} | {'mm':>6} | " + " | ".join(f"{c + ' ind':>14} {c + ' fn':>14} {'x':>5}" for c in CASES))
+    cols = " | ".join(f"{c + ' ind':>14} {c + ' fn':>14} {'x':>5}" for c in CASES)
+    print(f"\n{'K':>5} {'N':>5} {'norm':>5} | {'mm':>6} | " + cols)
     for r in rows:
         print(f"{r['K']:5d} {r['N']:5d} {r['norm']:>5} | {r['mm_ms']:6.3f} | " + " | ".join(
             f"{r[f'inductor_{c}_ms']:14.3f} {r[f'fusenorm_{c}_ms']:14.3f} {r[f'speedup_{c}']:5.2f}" for c in CASES))

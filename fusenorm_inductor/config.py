@@ -36,6 +36,32 @@ class patterns:
     dgrad_norm_bwd: bool = Config(env_name_default="FUSENORM_DGRAD_NORM_BWD", default=True)
 
 
+# Let the fused kernels for rows wider than one tile (N > 256) exchange row statistics between programs
+# that wait for each other ("spin" kernels, docs/design.md). They launch at most one program per SM, so all
+# are resident on a whole GPU; a GPU partitioned below its SM count (MPS thread limits, green contexts)
+# could hang them: set this to False there (the "coop" kernels never wait and run anywhere).
+spin_exchange: bool = Config(env_name_default="FUSENORM_SPIN_EXCHANGE", default=True)
+
+
+class tuning:
+    """Per-shape measurements on the GPU (ops/tuning.py): which kernel configuration runs, and whether a
+    match is fused at all (only when the fused kernel beats cuBLAS + a copy-speed norm on that shape)."""
+
+    # Measure on CUDA (once per shape, cached on disk). Off: every match is fused with the kernels' first
+    # candidate configuration (the tests do this, so that small shapes are fused and checked).
+    measure: bool = Config(env_name_default="FUSENORM_TUNE", default=True)
+    # Where measurements are kept across processes; None = ~/.cache/fusenorm.
+    cache_dir = Config(env_name_default="FUSENORM_CACHE_DIR", default=None, value_type=str)
+    # Fuse only when the fused time is below the unfused estimate by this fraction. The estimate (cuBLAS +
+    # a norm at copy speed) and the fused kernels' run-to-run spread (up to ~15-20% for the N > 256
+    # kernels on the H200, benchmarks/results/gemm_norm_h200.json) put fusions that were measured 3%
+    # faster at up to 1.22x slower than Inductor in the benchmark; 20% was the smallest margin with no
+    # slower point in that run. Lower it only with your own measurements.
+    margin: float = 0.20
+    # Milliseconds of CUDA-graph replays per timed candidate.
+    rep_ms: float = 25.0
+
+
 # When a pass raises, log a warning and leave the graph to plain Inductor (the graph is restored from a
 # copy taken before the pass). Tests set this to False to see the error.
 fallback_on_error: bool = Config(env_name_default="FUSENORM_FALLBACK_ON_ERROR", default=True)

@@ -170,3 +170,9 @@ def render(graph: fx.Graph, nodes: Optional[set[Node]] = None) -> str:
             outputs.append(env[n])
     sub.output(tuple(outputs))
     return sub.python_code("self").src
+
+
+def flat_like(t: torch.Tensor, *shape: int) -> torch.Tensor:
+    """A contiguous meta tensor of ``shape`` with t's dtype: what the rewrite's reshape gives the fused op,
+    for code that reads only shapes, strides and dtypes (the kernel tuner)."""
+    return torch.empty(shape, dtype=t.dtype, device="meta")

@@ -17,8 +17,9 @@ import torch.fx as fx
 from torch.fx import Node
 
 from fusenorm_inductor import fx_utils
-from fusenorm_inductor.fx_utils import val
+from fusenorm_inductor.fx_utils import flat_like, val
 from fusenorm_inductor.ops.kernel_choice import describe_mm_norm_backward
+from fusenorm_inductor.ops.tuning import Choice, backward_choice
 from fusenorm_inductor.report import GraphReport
 
 from .base import Pattern, Reject, bind_op_args, getitem_users, is_op, require
@@ -36,6 +37,7 @@ class DgradMatch:
     gemm: Node
     extra: Optional[Node]
     chain: list[Node]
+    choice: Choice  # the measured decision to fuse and the kernel configuration (ops/tuning.py)
 
 
 def _gemm_under(node: Any) -> Optional[Node]:
@@ -71,7 +73,20 @@ class DgradNormBwd(Pattern):
         if extra is not None:
             require(tuple(val(extra).shape) == tuple(val(dy).shape) and val(extra).dtype in FLOATS,
                     "other gradient added to the GEMM's broadcasts or has an unsupported dtype")
-        return DgradMatch(bwd, args, gemm, extra, chain)
+        return DgradMatch(bwd, args, gemm, extra, chain, self.check_speed(args, gemm, extra))
+
+    def check_speed(self, a: dict[str, Any], gemm: Node, extra: Optional[Node]) -> Choice:
+        """Fused only where it was measured to beat cuBLAS + the norm backward (always on CPU)."""
+        dyv, bv = val(gemm.args[0]), val(gemm.args[1])
+        mv, nv = dyv.shape[0], bv.shape[1]
+        mean = a["mean"] if a["mean"] is None or a["is_rms"] else flat_like(val(a["mean"]), mv)
+        choice = backward_choice(
+            dyv, bv, flat_like(val(extra), mv, nv) if extra is not None else None,
+            flat_like(val(a["src"]), mv, nv), val(a["weight"]),
+            mean, flat_like(val(a["rstd"]), mv), a["is_rms"], a["src_is_normed"], a["has_bias"], a["dx_dtype"],
+        )
+        require(choice.fuse, choice.reason)
+        return choice
 
     def split_extra(self, dy: Node) -> tuple[Node, Optional[Node]]:
         """``dy = add(gemm_path, other)`` (either order): the GEMM path, and the other gradient as extra."""
@@ -135,7 +150,7 @@ class DgradNormBwd(Pattern):
         rep.rewrite(
             self.name, self.stage, [m.bwd.name, m.gemm.name],
             {"M": mv, "K": val(dy2).shape[1], "N": nv, "dy": list(dyv.shape)}, val(dy2).dtype,
-            describe_mm_norm_backward(val(dy2), nv, a["is_rms"]),
+            f"{describe_mm_norm_backward(val(dy2), nv, a['is_rms'])} [{m.choice.config}]: {m.choice.reason}",
             f"{'RMSNorm' if a['is_rms'] else 'LayerNorm'}, reads {'hh' if a['src_is_normed'] else 'x + stats'}, "
             f"extra gradient={'yes' if m.extra is not None else 'no'}",
         )

@@ -22,8 +22,9 @@ import torch.fx as fx
 from torch.fx import Node
 
 from fusenorm_inductor import fx_utils
-from fusenorm_inductor.fx_utils import val
+from fusenorm_inductor.fx_utils import flat_like, val
 from fusenorm_inductor.ops.kernel_choice import describe_mm_norm
+from fusenorm_inductor.ops.tuning import Choice, forward_choice
 from fusenorm_inductor.report import GraphReport
 
 from .base import Pattern, Reject, bind_op_args, getitem_users, is_op, require
@@ -48,6 +49,7 @@ class PostNormMatch:
     residual: Optional[Node]
     chain: list[Node]  # nodes from the GEMM up to the norm's input, removed after the rewrite
     backward: list[Node]  # this norm's fusenorm::norm_backward nodes
+    choice: Choice  # the measured decision to fuse and the kernel configuration (ops/tuning.py)
 
 
 def _convert_source(node: Node) -> Optional[Node]:
@@ -103,7 +105,20 @@ class LinearNormFwd(Pattern):
         self.check_dtypes(val(a), val(b), val(x))
         if residual is not None:
             self.check_residual(val(residual), val(x))
-        return PostNormMatch(norm, args, gemm, a, b, bias, residual, chain, backward)
+        choice = self.check_speed(args, a, b, bias, residual, backward)
+        return PostNormMatch(norm, args, gemm, a, b, bias, residual, chain, backward, choice)
+
+    def check_speed(self, args, a: Node, b: Node, bias, residual, backward) -> Choice:
+        """Fused only where it was measured to beat cuBLAS + the norm on this shape (always on CPU)."""
+        av, bv = val(a), val(b)
+        res2 = flat_like(val(residual), av.shape[0], bv.shape[1]) if residual is not None else None
+        affine = args["weight"] is not None or args["bias"] is not None
+        choice = forward_choice(
+            av, bv, val(bias), res2, val(args["weight"]), val(args["bias"]), args["eps"],
+            args["is_rms"], args["out_dtype"] or val(args["x"]).dtype, affine and bool(backward),
+        )
+        require(choice.fuse, choice.reason)
+        return choice
 
     def check_static(self, norm: Node, x: Node) -> None:
         """Symbolic shapes are left to Inductor (the fused kernels are compiled per static shape)."""
@@ -194,7 +209,7 @@ class LinearNormFwd(Pattern):
         rep.rewrite(
             self.name, self.stage, [norm.name, m.gemm.name],
             {"M": mv, "K": val(m.a).shape[1], "N": nv, "x": list(xv.shape)}, val(m.a).dtype,
-            describe_mm_norm(val(m.a), nv, args["is_rms"]),
+            f"{describe_mm_norm(val(m.a), nv, args['is_rms'])} [{m.choice.config}]: {m.choice.reason}",
             f"{'RMSNorm' if args['is_rms'] else 'LayerNorm'}, affine={'yes' if affine else 'no'}, "
             f"bias={'yes' if m.bias is not None else 'no'}, residual={'yes' if m.residual is not None else 'no'}, "
             f"saves {'hh' if save_normed else ('y' if m.backward else 'nothing')} for backward",

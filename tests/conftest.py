@@ -2,6 +2,8 @@
 
 - Inductor's caches are off: on a cache hit custom passes do not run, so counters and reports would be
   empty and a test could pass without compiling anything.
+- Kernel tuning does not measure (config.tuning.measure off): every match is fused with the kernels' first
+  candidate, so the small test shapes are fused and checked; test_tuning.py turns it on where it tests it.
 - Without CUDA, Triton kernels are tested in the interpreter (TRITON_INTERPRET must be set before any
   kernel module is imported).
 """
@@ -28,7 +30,7 @@ def _fresh_compile_state():
     torch._dynamo.reset()
     counters.clear()
     fusenorm_inductor.report.clear()
-    with config.patch(fallback_on_error=False):
+    with config.patch({"fallback_on_error": False, "tuning.measure": False}):
         yield
     torch._dynamo.reset()
 

@@ -138,7 +138,9 @@ def assert_matches_eager(make_model: Callable[[], nn.Module], inputs: tuple, dty
             assert g is None, f"{name}: reference has no gradient but compiled has one"
             continue
         assert g is not None, f"{name}: compiled model produced no gradient"
-        assert g.dtype == e.dtype and g.shape == e.shape, f"{name}: {g.dtype}{tuple(g.shape)} vs eager {e.dtype}{tuple(e.shape)}"
+        assert g.dtype == e.dtype and g.shape == e.shape, (
+            f"{name}: {g.dtype}{tuple(g.shape)} vs eager {e.dtype}{tuple(e.shape)}"
+        )
         assert torch.isfinite(g).all(), f"{name}: non-finite values"
         bound = 2 * _err(e, r) + floor
         err = _err(g, r)

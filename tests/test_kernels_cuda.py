@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from fusenorm_inductor.ops import _triton_common as common  # noqa: E402
+from fusenorm_inductor.ops import tuning  # noqa: E402
 
 from . import kernel_cases as kc  # noqa: E402  (imports the kernel modules)
 from .kernel_cases import BF16, BWD_CASES, EPS, F16, F32, FWD_CASES, NORMS, bwd_k, fwd_k  # noqa: E402
@@ -95,7 +96,7 @@ def test_forward_tma_path(monkeypatch, n, is_rms, m=M, k=64):
     b = torch.randn(n, k, device="cuda", dtype=BF16).t()
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs sm_90+")
-    assert common.tma_eligible(a, b, common.pow2_at_least(n))
+    assert common.tma_layout(a, b) == "nk"
     args = (a, b, None, None, None, None, EPS, is_rms, None, False)
     y_tma = fwd_k.mm_norm_triton(*args)[0].float()
     monkeypatch.setattr(common, "_FORCE_TMA", False)
@@ -177,3 +178,81 @@ def test_ops_dispatch_to_kernels():
     direct = bwd_k.mm_norm_backward_triton(*bargs)
     for x, y in zip(via_op, direct):
         assert torch.equal(x, y)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Every configuration the tuner may pick (Hopper TMA kernels: row and cooperative)
+# ----------------------------------------------------------------------------------------------------------
+
+# (m, k, n): one row tile, two and eight N tiles, N not a multiple of the tile, K not a multiple of BLOCK_K.
+CANDIDATE_SHAPES = [(4097, 64, 40), (4097, 256, 256), (3001, 520, 512), (3001, 256, 1000), (4097, 1024, 2048)]
+_IDS = dict(ids=lambda s: "x".join(map(str, s)))
+
+
+def _needs_hopper():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA kernels need sm_90+")
+
+
+@pytest.mark.parametrize("mkn", CANDIDATE_SHAPES, **_IDS)
+@pytest.mark.parametrize("case", ["full", "bare", "no_save", "out_f32"])
+@NORMS
+def test_forward_every_candidate(mkn, case, is_rms):
+    _needs_hopper()
+    args = TARGET.fwd_args(FWD_CASES[case], *mkn, BF16, is_rms)
+    out_bytes = tuning.forward_out_bytes(args[0], args[3], args[8], args[9])  # fp32 y/hh: fewer stages
+    cands = fwd_k.forward_candidates(args[0], args[1], mkn[2], out_bytes)
+    assert all(c.kind in ("row", "coop", "spin") for c in cands), cands
+    ref = kc.mm_norm_reference(*args)
+    for c in cands:
+        TARGET.check(fwd_k.mm_norm_triton(*args, config=c), ref, kc.FWD_NAMES)
+
+
+@pytest.mark.parametrize("mkn", CANDIDATE_SHAPES, **_IDS)
+@pytest.mark.parametrize("case", ["full", "bare", "dx_f32"])
+@NORMS
+def test_backward_every_candidate(mkn, case, is_rms):
+    _needs_hopper()
+    args = TARGET.bwd_args(BWD_CASES[case], *mkn, BF16, is_rms)
+    cands = bwd_k.backward_candidates(args[0], args[1], mkn[2], 4 if args[10] == F32 else 2)
+    assert all(c.kind in ("row", "coop", "spin") for c in cands), cands
+    rdx, rdw, rdb = kc.mm_norm_backward_reference(*args)
+    for c in cands:
+        dx, dw, db = bwd_k.mm_norm_backward_triton(*args, config=c)
+        TARGET.check([dx], [rdx], [f"dx {c.label()}"])
+        TARGET.check_colsum(dw, rdw, f"dw {c.label()}")
+        TARGET.check_colsum(db, rdb, f"db {c.label()}")
+
+
+@pytest.mark.parametrize("n", [256, 2048])
+def test_layernorm_large_mean_every_candidate(monkeypatch, n):
+    """|mean| >> std through each forward configuration (row: two-pass in registers; coop: centred scratch
+    and Chan combine across programs)."""
+    _needs_hopper()
+    a = torch.randn(64, 64, device="cuda", dtype=BF16)
+    for c in fwd_k.forward_candidates(a, torch.randn(n, 64, device="cuda", dtype=BF16).t(), n):
+        monkeypatch.setattr(fwd_k, "forward_candidates", lambda *args, c=c: [c])
+        TARGET.check_layernorm_large_mean(M, 256, n, BF16, w_max=5.0)
+
+
+@pytest.mark.parametrize("mkn", [(4097, 256, 256), (3001, 256, 1000)], **_IDS)
+def test_gemm_only(mkn):
+    """The benchmark's GEMM-base mode: the fused kernels with the norm switched off give a @ b (+ bias)."""
+    _needs_hopper()
+    m, k, n = mkn
+    a = TARGET.randn_scaled(m, k, BF16)
+    w = TARGET.randn(n, k, dtype=BF16)
+    bias = TARGET.randn(n, dtype=BF16)
+    ref = (a.float() @ w.float().t() + bias.float()).to(BF16)
+    for c in fwd_k.forward_candidates(a, w.t(), n):
+        y = fwd_k.mm_norm_triton(a, w.t(), bias, None, None, None, EPS, False, None, False, config=c, gemm_only=True)[0]
+        torch.testing.assert_close(y, ref, **kc.CUDA_TOL[BF16])
+    dz = TARGET.randn_scaled(m, k, BF16)
+    w2 = TARGET.randn(k, n, dtype=BF16)
+    src = TARGET.randn(m, n, dtype=BF16)
+    rstd = torch.ones(m, device="cuda")
+    for c in bwd_k.backward_candidates(dz, w2, n):
+        dx = bwd_k.mm_norm_backward_triton(
+            dz, w2, None, src, None, None, rstd, True, True, False, BF16, config=c, gemm_only=True
+        )[0]
+        torch.testing.assert_close(dx, (dz.float() @ w2.float()).to(BF16), **kc.CUDA_TOL[BF16])

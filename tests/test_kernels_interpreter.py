@@ -113,7 +113,7 @@ class _Forbidden:
     """Stands in for a kernel that must not be launched."""
 
     def __getitem__(self, grid):
-        raise AssertionError("the pointer-load kernel ran where the TMA kernel was expected")
+            raise AssertionError("a pointer-load kernel ran where a TMA kernel was expected")
 
 
 @pytest.mark.parametrize("case", [c for c, v in FWD_CASES.items() if v.b_t and not v.col_major])
@@ -180,3 +180,43 @@ def test_outputs_come_from_alloc(path, monkeypatch):
     # dw/db are host sums of [m_tiles, N] partial buffers, which must be poisoned too.
     partials = [u for u in made if u.dim() == 2 and u.shape[1] == n and u.shape[0] < m]
     assert len(partials) == 2
+
+
+_TMA_FWD = [c for c, v in FWD_CASES.items() if not v.col_major]
+_TMA_BWD = [c for c, v in BWD_CASES.items() if not v.col_major]
+
+
+@pytest.mark.parametrize("case", _TMA_FWD)
+@pytest.mark.parametrize("mkn", [(257, 40, 40), (130, 32, 72)], ids=lambda s: "x".join(map(str, s)))
+@NORMS
+def test_forward_tma_cooperative(monkeypatch, case, mkn, is_rms):
+    """Rows wider than the N tile on the Hopper path: the cooperative kernel (the last program of a row
+    block normalizes it), forced onto CPU tensors with 16-wide N tiles: 3-5 tiles per row, a partial last
+    tile, several tiles per program; neither pointer kernel may run."""
+    monkeypatch.setattr(common, "_FORCE_TMA", True)
+    kc.force_block_n(monkeypatch, 16)
+    monkeypatch.setattr(fwd_k, "_mm_norm_fwd_partial_kernel", _Forbidden())
+    monkeypatch.setattr(fwd_k, "_mm_norm_fwd_fused_kernel", _Forbidden())
+    m, k, n = mkn
+    TARGET.run_forward(FWD_CASES[case], m, k, n, F16, is_rms)
+
+
+def test_forward_tma_cooperative_large_mean(monkeypatch):
+    """|mean| >> std through the cooperative kernel's centred scratch and Chan combine."""
+    monkeypatch.setattr(common, "_FORCE_TMA", True)
+    kc.force_block_n(monkeypatch, 16)
+    monkeypatch.setattr(fwd_k, "_mm_norm_fwd_partial_kernel", _Forbidden())
+    TARGET.check_layernorm_large_mean(65, 24, 40, F16, w_max=4.0)
+
+
+@pytest.mark.parametrize("case", _TMA_BWD)
+@pytest.mark.parametrize("block_n", [None, 16], ids=["row", "coop"])
+@NORMS
+def test_backward_tma(monkeypatch, case, block_n, is_rms):
+    """The Hopper backward kernels forced onto CPU tensors: whole rows per tile (row) and 16-wide N tiles
+    with the cooperative finalize (coop); b as a transposed weight and as a row-major [K, N] matrix."""
+    monkeypatch.setattr(common, "_FORCE_TMA", True)
+    kc.force_block_n(monkeypatch, block_n)
+    for name in ("_mm_norm_bwd_fused_kernel", "_mm_norm_bwd_partial_kernel"):
+        monkeypatch.setattr(bwd_k, name, _Forbidden())
+    TARGET.run_backward(BWD_CASES[case], 257, 40, 40, F16, is_rms)

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -139,35 +139,131 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# (BLOCK_M, BLOCK_K, num_stages, num_warps) of the TMA single-tile kernels: the best 128 x 256 x 64 config
-# of benchmarks/probe_gemm_base.py on the H200 (0.90-0.98x cuBLAS as a plain GEMM).
-TMA_SINGLE_CONFIG = (128, 64, 3, 8)
+class GemmConfig(NamedTuple):
+    """One configuration of a fused GEMM kernel (what ``tuning`` times, caches and reports).
+
+    kind: "row"  TMA-fed persistent kernel, one tile holds whole rows (N <= TMA_MAX_BLOCK_N);
+          "coop" TMA-fed persistent kernel, rows span N tiles, the last tile of a row block to finish
+                 normalizes it (cooperative finalize in L2);
+          "spin" the same kernel, but the tiles of a row block wait for each other's row partials and each
+                 normalizes itself from registers (needs every program resident: one per SM at most);
+          "ptr"  masked pointer loads, any strides and dtypes (single tile, or GEMM + finalize kernel).
+    progs_per_sm: persistent programs per SM (2 lets one program's epilogue overlap another's loads).
+    prefetch: (backward) load the saved tensor's tile before the K loop, so its latency hides under the GEMM
+              (costs registers across the loop).
+    """
+
+    kind: str
+    block_m: int
+    block_n: int
+    block_k: int
+    stages: int
+    warps: int
+    progs_per_sm: int = 1
+    prefetch: bool = False
+
+    def label(self) -> str:
+        per_sm = f" x{self.progs_per_sm}" if self.progs_per_sm != 1 else ""
+        pf = " pf" if self.prefetch else ""
+        return f"{self.kind} {self.block_m}x{self.block_n}x{self.block_k} s{self.stages} w{self.warps}{per_sm}{pf}"
+
+
+SMEM_BUDGET = 220 * 1024  # of the H100/H200's 227 KiB per block, leaving room for reductions
+
+
+def tma_config(kind: str, bm: int, bn: int, bk: int, stages: int, warps: int, out_bytes: int, **kw) -> GemmConfig:
+    """A TMA config whose pipeline fits shared memory next to the epilogue's layout conversion of one
+    [bm, bn] output tile (``out_bytes`` per element: 4 for fp32 outputs): fewer stages, then fewer rows,
+    when it would not."""
+
+    def smem(bm, stages):
+        return stages * (bm + bn) * bk * 2 + bm * bn * out_bytes
+
+    for rows in (bm, bm // 2) if bm > 64 else (bm,):
+        for st in range(stages, 1, -1):
+            if smem(rows, st) <= SMEM_BUDGET:
+                return GemmConfig(kind, rows, bn, bk, st, warps, **kw)
+    return GemmConfig(kind, 64, bn, bk, 2, warps, **kw)
+
+
+def cooperative_grid(device: torch.device, n_tiles: int, progs_per_sm: int) -> int:
+    """Persistent programs for the row-exchanging kernels: a multiple of n_tiles, so every program keeps
+    one N column and a row block's tiles always run in the same wave (no row block straddles two waves,
+    where its first tiles would wait a whole tile for the rest)."""
+    progs = num_sms(device) * progs_per_sm
+    return max(n_tiles, progs // n_tiles * n_tiles)
+
+
+# The widest TMA box (and wgmma N) is 256: wider rows take the cooperative kernel. A [128, 256] fp32 tile is
+# 128 registers per thread at 8 warps; the probe (benchmarks/probe_gemm_base.py) found 128 x 256 x 64 with
+# 3 stages at 0.90-0.98x cuBLAS as a plain GEMM on the H200.
+TMA_MAX_BLOCK_N = 256
 
 # Test hook: None = TMA wherever eligible; False = never (the pointer kernels); True = also on CPU tensors
 # (the interpreter tests run the TMA kernels through it).
 _FORCE_TMA: Optional[bool] = None
 
 
-def tma_eligible(a: torch.Tensor, b: torch.Tensor, block_n: int) -> bool:
-    """A [M, K] row-major and b = W.T with W [N, K] row-major, 16-bit, rows 16-byte aligned, on sm_90+.
+def spin_allowed(device: torch.device) -> bool:
+    """The spin-exchange kernels wait for other programs, so they need a real GPU (the interpreter runs
+    programs one after another) and the user's consent (config.spin_exchange)."""
+    from .. import config
 
-    TMA copies boxes of a row-major 2-D tensor whose row pitch and base are 16-byte aligned; out-of-bounds
-    reads are zero-filled, so M, N and K need not be multiples of the block."""
-    if _FORCE_TMA is False or block_n > 256:
-        return False
+    return device.type == "cuda" and config.spin_exchange
+
+
+def tma_layout(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
+    """How TMA can read ``a @ b``: "nk" when b = W.T of a row-major W [N, K] (a linear's weight), "kn" when
+    b is row-major [K, N]; None when it cannot (then the pointer kernels run).
+
+    Needs 16-bit operands, A [M, K] row-major, row pitches and bases 16-byte aligned, sm_90+. TMA copies
+    boxes of a row-major 2-D tensor; out-of-bounds reads are zero-filled, so M, N and K need not be
+    multiples of the block."""
+    if _FORCE_TMA is False:
+        return None
     if a.device.type != "cuda" and not _FORCE_TMA:
-        return False
+        return None
     if a.device.type == "cuda" and torch.cuda.get_device_capability(a.device)[0] < 9:
-        return False
-    k = a.shape[1]
-    return (
+        return None
+    k, n = b.shape
+    size = a.element_size()
+    if not (
         a.dtype in (torch.float16, torch.bfloat16)
         and a.stride() == (k, 1)
-        and b.stride() == (1, k)
-        and (k * a.element_size()) % 16 == 0
+        and (k * size) % 16 == 0
         and a.data_ptr() % 16 == 0
         and b.data_ptr() % 16 == 0
-    )
+    ):
+        return None
+    if b.stride() == (1, k):
+        return "nk"
+    if b.stride() == (n, 1) and (n * size) % 16 == 0:
+        return "kn"
+    return None
+
+
+def tma_descriptors(a: torch.Tensor, b: torch.Tensor, layout: str, block_m: int, block_n: int, block_k: int):
+    """Host-side TMA descriptors of a and b for ``tma_tile`` with the given layout."""
+    if layout == "kn":
+        b_desc = tensor_descriptor(b, [block_k, block_n])
+    else:
+        b_desc = tensor_descriptor(b.t(), [block_n, block_k])
+    return tensor_descriptor(a, [block_m, block_k]), b_desc
+
+
+@triton.jit
+def tma_tile(a_desc, b_desc, off_m, off_n, k_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, B_KN: tl.constexpr):
+    """acc = A[off_m : off_m + BLOCK_M, :] @ B[:, off_n : off_n + BLOCK_N] in fp32, TMA-fed; B is read from
+    a [K, N] descriptor (B_KN) or from the [N, K] descriptor of its transpose."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(k_tiles):
+        a = a_desc.load([off_m, ki * BLOCK_K])
+        if B_KN:
+            acc = tl.dot(a, b_desc.load([ki * BLOCK_K, off_n]), acc)
+        else:
+            acc = tl.dot(a, b_desc.load([off_n, ki * BLOCK_K]).T, acc)
+    return acc
 
 
 def tensor_descriptor(t: torch.Tensor, block_shape: list[int]):

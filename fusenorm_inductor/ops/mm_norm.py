@@ -117,7 +117,7 @@ def _(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype=None, save
     m, n = a.shape[0], b.shape[1]
     return (
         a.new_empty((m, n), dtype=out_dtype or a.dtype),
-        a.new_empty((m, n) if save_normed else (0,), dtype=_prenorm_dtype(a, residual) if save_normed else torch.float32),
+        a.new_empty((m, n), dtype=_prenorm_dtype(a, residual)) if save_normed else _empty(a),
         a.new_empty((0,) if is_rms else (m,), dtype=torch.float32),
         a.new_empty((m,), dtype=torch.float32),
     )

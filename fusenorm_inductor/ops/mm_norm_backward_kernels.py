@@ -9,7 +9,12 @@ dw and db are deterministic: each M tile writes its column sums to a [cdiv(M, BL
 (no atomics), summed on the host afterwards. They need no row statistics, so they always come from the
 GEMM kernel.
 
-Two paths, chosen by ``gemm_config`` (_triton_common.py), as in the forward (mm_norm_kernels.py):
+Kernels as in the forward (mm_norm_kernels.py), chosen per shape by ``tuning.backward_config`` among
+``backward_candidates``. On Hopper with TMA-compatible operands: "row" (N <= 256,
+``_mm_norm_bwd_tma_kernel``) and "spin"/"coop" (N > 256, ``_mm_norm_bwd_coop_kernel``: tiles publish their
+row partial sums of t and t * hh; "spin" tiles wait for the row block's others and finish dx from
+registers, "coop" ones store dn and the last to arrive finishes the row block). A config's ``prefetch``
+loads the saved tensor's tile before the K loop. Otherwise the pointer-load kernels:
 
 - single tile (N <= 256): ``_mm_norm_bwd_fused_kernel`` owns BLOCK_M whole rows: dn in registers, the two
   row means, dx, and the dw/db partials. Grid: cdiv(M, BLOCK_M).
@@ -37,11 +42,21 @@ from torch import Tensor
 
 from ._triton_common import (
     FINALIZE_WARPS,
+    TMA_MAX_BLOCK_N,
+    GemmConfig,
+    cooperative_grid,
     dot_input_precision,
     finalize_block_m,
     gemm_config,
+    num_sms,
+    pow2_at_least,
+    spin_allowed,
     tile_coords,
     tile_matmul,
+    tma_config,
+    tma_descriptors,
+    tma_layout,
+    tma_tile,
 )
 
 __all__ = ["mm_norm_backward_triton"]
@@ -63,9 +78,23 @@ def _normed_tile(
 ):
     """(hh, rstd) for a tile: hh = src, or src * rstd (RMSNorm), or (src - mean) * rstd (LayerNorm);
     hh is 0 outside [M, N] (so padded rows/columns add nothing to any sum), rstd is 0 for rows >= M."""
+    s = _load_src(src_ptr, rows, cols, M, N, stride_sm, stride_sn)
+    return _normed_from(s, mean_ptr, rstd_ptr, rows, cols, M, N, IS_RMS, SRC_NORMED)
+
+
+@triton.jit
+def _load_src(src_ptr, rows, cols, M, N, stride_sm, stride_sn):
+    """The saved tensor's tile in its own dtype, 0 outside [M, N] (the TMA kernels issue this load before
+    their K loop, so its latency hides under the GEMM)."""
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    return tl.load(src_ptr + rows[:, None] * stride_sm + cols[None, :] * stride_sn, mask=mask, other=0.0)
+
+
+@triton.jit
+def _normed_from(s, mean_ptr, rstd_ptr, rows, cols, M, N, IS_RMS: tl.constexpr, SRC_NORMED: tl.constexpr):
+    """(hh, rstd) from a loaded src tile (see _normed_tile)."""
     mask_m = rows < M
     mask = mask_m[:, None] & (cols < N)[None, :]
-    s = tl.load(src_ptr + rows[:, None] * stride_sm + cols[None, :] * stride_sn, mask=mask, other=0.0)
     s = s.to(tl.float32)
     rstd = tl.load(rstd_ptr + rows, mask=mask_m, other=0.0)
     if SRC_NORMED:
@@ -113,7 +142,7 @@ def _store_affine_partials(
 ):
     """Row pid_m of the [m_tiles, N] partial buffers: colsum(dn * hh) -> dw, colsum(dn) -> db."""
     mask_n = cols < N
-    base = pid_m.to(tl.int64) * N + cols
+    base = tl.cast(pid_m, tl.int64) * N + cols
     if HAS_W:
         tl.store(pdw_ptr + base, tl.sum(dn * hh, axis=0), mask=mask_n)
     if HAS_DB:
@@ -232,6 +261,164 @@ def _mm_norm_bwd_finalize_kernel(
     tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _dx_tile(t, hh, rstd, c_t, c_th, IS_RMS: tl.constexpr):
+    """LayerNorm: dx = rstd * (t - c_t - hh * c_th);  RMSNorm: dx = rstd * (t - hh * c_th)."""
+    if IS_RMS:
+        return rstd[:, None] * (t - hh * c_th[:, None])
+    else:
+        return rstd[:, None] * (t - c_t[:, None] - hh * c_th[:, None])
+
+
+@triton.jit
+def _mm_norm_bwd_tma_kernel(
+    dy_desc, b_desc, extra_ptr, src_ptr, w_ptr, mean_ptr, rstd_ptr,
+    dx_ptr, pdw_ptr, pdb_ptr,
+    M, N, K,
+    stride_em, stride_en, stride_sm, stride_sn, stride_w, stride_dxm,
+    HAS_EXTRA: tl.constexpr, HAS_W: tl.constexpr, HAS_DB: tl.constexpr,
+    IS_RMS: tl.constexpr, SRC_NORMED: tl.constexpr, GEMM_ONLY: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGS: tl.constexpr,
+    B_KN: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Single tile on Hopper: ``_mm_norm_bwd_fused_kernel``'s math, dy and b fed by TMA, persistent over
+    row blocks (the row block index is the dw/db partial row). GEMM_ONLY stores dn as dx, no norm."""
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    cols = tl.arange(0, BLOCK_N).to(tl.int64)
+    for rb in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M), NUM_PROGS, flatten=True):
+        rows = (rb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        if PREFETCH and not GEMM_ONLY:
+            s = _load_src(src_ptr, rows, cols, M, N, stride_sm, stride_sn)
+        dn = tma_tile(dy_desc, b_desc, rb * BLOCK_M, 0, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
+        dn = _add_extra(dn, extra_ptr, rows, cols, M, N, stride_em, stride_en, HAS_EXTRA)
+        if GEMM_ONLY:
+            dx = dn
+        else:
+            if not PREFETCH:
+                s = _load_src(src_ptr, rows, cols, M, N, stride_sm, stride_sn)
+            hh, rstd = _normed_from(s, mean_ptr, rstd_ptr, rows, cols, M, N, IS_RMS, SRC_NORMED)
+            _store_affine_partials(dn, hh, pdw_ptr, pdb_ptr, rb, cols, N, HAS_W, HAS_DB)
+            t = _weighted(dn, w_ptr, cols, N, stride_w, HAS_W)
+            c_th = tl.sum(t * hh, axis=1) / N
+            c_t = tl.sum(t, axis=1) / N
+            dx = _dx_tile(t, hh, rstd, c_t, c_th, IS_RMS)
+        tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_extra(dn, extra_ptr, rows, cols, M, N, stride_em, stride_en, HAS_EXTRA: tl.constexpr):
+    if HAS_EXTRA:
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        ex = tl.load(extra_ptr + rows[:, None] * stride_em + cols[None, :] * stride_en, mask=mask, other=0.0)
+        dn += ex.to(tl.float32)
+    return dn
+
+
+@triton.jit
+def _mm_norm_bwd_coop_kernel(
+    dy_desc, b_desc, extra_ptr, src_ptr, w_ptr, mean_ptr, rstd_ptr,
+    dx_ptr, pdw_ptr, pdb_ptr, scr_ptr, q1_ptr, q2_ptr, count_ptr,
+    M, N, K,
+    stride_em, stride_en, stride_sm, stride_sn, stride_w, stride_dxm, stride_scm,
+    HAS_EXTRA: tl.constexpr, HAS_W: tl.constexpr, HAS_DB: tl.constexpr,
+    IS_RMS: tl.constexpr, SRC_NORMED: tl.constexpr, GEMM_ONLY: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGS: tl.constexpr,
+    B_KN: tl.constexpr, N_TILES: tl.constexpr, TILES_P2: tl.constexpr, SPIN: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """Rows wider than one tile on Hopper: the forward's cooperative finalize (mm_norm_kernels.py,
+    ``_mm_norm_fwd_coop_kernel``) applied to the backward. Each tile (rb, j) computes dn, its dw/db partials
+    and its row partial sums (``_mm_norm_bwd_partial_kernel``'s), stores dn in the scratch and bumps the
+    row block's counter; the last to arrive sums the row partials and writes dx for the whole row block."""
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    n_rb = tl.cdiv(M, BLOCK_M)
+    # Not flattened: Triton 3.6's loop fusion fails on the finalize branch's inner loop.
+    for tile in tl.range(tl.program_id(0), n_rb * N_TILES, NUM_PROGS):
+        rb = tile // N_TILES
+        j = tile % N_TILES
+        rows = (rb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        mask_m = rows < M
+        mask = mask_m[:, None] & (cols < N)[None, :]
+        if PREFETCH and not GEMM_ONLY:
+            s = _load_src(src_ptr, rows, cols, M, N, stride_sm, stride_sn)
+        dn = tma_tile(dy_desc, b_desc, rb * BLOCK_M, j * BLOCK_N, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
+        dn = _add_extra(dn, extra_ptr, rows, cols, M, N, stride_em, stride_en, HAS_EXTRA)
+        if GEMM_ONLY:
+            tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :], dn.to(dx_ptr.dtype.element_ty), mask=mask)
+        else:
+            if not PREFETCH:
+                s = _load_src(src_ptr, rows, cols, M, N, stride_sm, stride_sn)
+            hh, rstd = _normed_from(s, mean_ptr, rstd_ptr, rows, cols, M, N, IS_RMS, SRC_NORMED)
+            _store_affine_partials(dn, hh, pdw_ptr, pdb_ptr, rb, cols, N, HAS_W, HAS_DB)
+            if not SPIN:
+                tl.store(scr_ptr + rows[:, None] * stride_scm + cols[None, :], dn.to(scr_ptr.dtype.element_ty),
+                         mask=mask)
+            t = _weighted(dn, w_ptr, cols, N, stride_w, HAS_W)
+            stat = j.to(tl.int64) * M + rows
+            tl.store(q2_ptr + stat, tl.sum(t * hh, axis=1), mask=mask_m)
+            if not IS_RMS:
+                tl.store(q1_ptr + stat, tl.sum(t, axis=1), mask=mask_m)
+            tl.debug_barrier()  # every thread's stores happen before the counter's release
+            arrived = tl.atomic_add(count_ptr + rb, 1, sem="acq_rel", scope="gpu")
+            if SPIN:
+                # Wait for the row block's other tiles (co-resident: see the forward), then dx from registers.
+                seen = arrived + 1
+                while seen < N_TILES:
+                    seen = tl.atomic_add(count_ptr + rb, 0, sem="acquire", scope="gpu")
+                c_t, c_th = _row_sums(rows, M, N, q1_ptr, q2_ptr, IS_RMS, N_TILES, TILES_P2)
+                dx = _dx_tile(t, hh, rstd, c_t, c_th, IS_RMS)
+                tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
+                         mask=mask)
+            elif arrived == N_TILES - 1:
+                _bwd_finalize_row_block(
+                    rows, M, N, scr_ptr, src_ptr, w_ptr, mean_ptr, rstd_ptr, q1_ptr, q2_ptr, dx_ptr,
+                    stride_scm, stride_sm, stride_sn, stride_w, stride_dxm,
+                    HAS_W, IS_RMS, SRC_NORMED, BLOCK_N, N_TILES, TILES_P2,
+                )
+
+
+@triton.jit
+def _row_sums(rows, M, N, q1_ptr, q2_ptr, IS_RMS: tl.constexpr, N_TILES: tl.constexpr, TILES_P2: tl.constexpr):
+    """(c_t, c_th): the row means of t and t * hh from the N_TILES partial sums (".cg": written by other
+    SMs); c_t is unused for RMSNorm."""
+    mask_m = rows < M
+    tiles = tl.arange(0, TILES_P2)
+    pmask = mask_m[:, None] & (tiles < N_TILES)[None, :]
+    pidx = tiles.to(tl.int64)[None, :] * M + rows[:, None]
+    c_th = tl.sum(tl.load(q2_ptr + pidx, mask=pmask, other=0.0, cache_modifier=".cg"), axis=1) / N
+    if IS_RMS:
+        c_t = c_th
+    else:
+        c_t = tl.sum(tl.load(q1_ptr + pidx, mask=pmask, other=0.0, cache_modifier=".cg"), axis=1) / N
+    return c_t, c_th
+
+
+@triton.jit
+def _bwd_finalize_row_block(
+    rows, M, N, scr_ptr, src_ptr, w_ptr, mean_ptr, rstd_ptr, q1_ptr, q2_ptr, dx_ptr,
+    stride_scm, stride_sm, stride_sn, stride_w, stride_dxm,
+    HAS_W: tl.constexpr, IS_RMS: tl.constexpr, SRC_NORMED: tl.constexpr,
+    BLOCK_N: tl.constexpr, N_TILES: tl.constexpr, TILES_P2: tl.constexpr,
+):
+    """The last program of a row block: c_t, c_th from the N_TILES partials, then dx for every tile from the
+    scratch dn (".cg": written by other SMs) and hh rebuilt from src."""
+    mask_m = rows < M
+    c_t, c_th = _row_sums(rows, M, N, q1_ptr, q2_ptr, IS_RMS, N_TILES, TILES_P2)
+    for jj in range(N_TILES):
+        cols = (jj * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        mask = mask_m[:, None] & (cols < N)[None, :]
+        dn = tl.load(scr_ptr + rows[:, None] * stride_scm + cols[None, :], mask=mask, other=0.0,
+                     cache_modifier=".cg").to(tl.float32)
+        hh, rstd = _normed_tile(
+            src_ptr, mean_ptr, rstd_ptr, rows, cols, M, N, stride_sm, stride_sn, IS_RMS, SRC_NORMED
+        )
+        t = _weighted(dn, w_ptr, cols, N, stride_w, HAS_W)
+        dx = _dx_tile(t, hh, rstd, c_t, c_th, IS_RMS)
+        tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------------------
@@ -240,6 +427,34 @@ def _mm_norm_bwd_finalize_kernel(
 def _alloc(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Every buffer the launcher writes (outputs, partials, scratch) comes from here (tests poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def backward_candidates(dy: Tensor, b: Tensor, n: int, out_bytes: int = 2) -> list[GemmConfig]:
+    """The configurations worth timing for this shape, best guess first (see forward_candidates)."""
+    m, k = dy.shape
+    if tma_layout(dy, b) is None:
+        bm, bn, bk, warps, single = gemm_config(m, n, k, dy.dtype, dy.device, _FORCE_BLOCK_N)
+        return [GemmConfig("ptr", bm, bn, bk, 3, warps)]
+    bk = min(64, pow2_at_least(k))
+    if _FORCE_BLOCK_N is not None:  # test hook, as in the forward
+        bn = _FORCE_BLOCK_N
+        return [GemmConfig("row" if n <= bn else "coop", 128, bn, bk, 3, 4, prefetch=True)]
+    bn = pow2_at_least(n)
+    if bn <= TMA_MAX_BLOCK_N:
+        # The epilogue holds dn, hh and t at once (and src across the K loop when prefetched).
+        return [
+            tma_config("row", 128, bn, bk, 3, 8, out_bytes),
+            tma_config("row", 64, bn, bk, 4, 8, out_bytes, prefetch=True),
+            tma_config("row", 64, bn, bk, 3, 4, out_bytes, progs_per_sm=2),
+        ]
+    out = []
+    if spin_allowed(dy.device) and triton.cdiv(n, 128) <= num_sms(dy.device):
+        out = [
+            tma_config("spin", 128, 128, bk, 4, 8, out_bytes),
+            tma_config("spin", 64, 256, bk, 4, 8, out_bytes),
+            tma_config("spin", 64, 256, bk, 4, 8, out_bytes, prefetch=True),
+        ]
+    return out + [tma_config("coop", 64, 256, bk, 4, 8, out_bytes)]
 
 
 def mm_norm_backward_triton(
@@ -254,8 +469,13 @@ def mm_norm_backward_triton(
     src_is_normed: bool,
     has_bias: bool,
     dx_dtype: torch.dtype,
+    config: Optional[GemmConfig] = None,
+    gemm_only: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dw, db) of ``mm_norm_backward_reference``; inputs already checked by the op."""
+    """(dx, dw, db) of ``mm_norm_backward_reference``; inputs already checked by the op.
+
+    ``config``: one of ``backward_candidates``; None asks ``tuning.backward_config``. ``gemm_only`` (TMA
+    configs only): dx = dy @ b + extra, no norm (the benchmark's GEMM base)."""
     m, k = dy.shape
     n = b.shape[1]
     dev = dy.device
@@ -268,8 +488,15 @@ def mm_norm_backward_triton(
         db = torch.zeros((n,) if has_bias else (0,), dtype=f32, device=dev)
         return dx, dw, db
 
-    block_m, block_n, block_k, num_warps, single = gemm_config(m, n, k, dy.dtype, dev, _FORCE_BLOCK_N)
-    precision = dot_input_precision(dy.dtype, dev)
+    if config is None:
+        from .tuning import backward_config
+
+        config = backward_config(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype)
+    if config.kind == "spin" and triton.cdiv(n, config.block_n) > num_sms(dev):
+        tiles = triton.cdiv(n, config.block_n)
+        raise ValueError(f"{config.label()}: a row block's {tiles} tiles cannot all be resident (spin exchange)")
+    block_m, block_n, block_k, num_warps = config.block_m, config.block_n, config.block_k, config.warps
+    single = n <= block_n
     m_tiles = triton.cdiv(m, block_m)
     pdw = _alloc((m_tiles, n), f32, dev) if has_w else None
     pdb = _alloc((m_tiles, n), f32, dev) if has_bias else None
@@ -285,6 +512,40 @@ def mm_norm_backward_triton(
     flags = dict(
         HAS_EXTRA=extra is not None, HAS_W=has_w, HAS_DB=has_bias, IS_RMS=is_rms, SRC_NORMED=src_is_normed
     )
+    g_dtype = torch.promote_types(dy.dtype, extra.dtype) if extra is not None else dy.dtype
+    if config.kind in ("row", "coop", "spin"):
+        layout = tma_layout(dy, b)
+        progs = num_sms(dev) * config.progs_per_sm
+        common = dict(
+            **flags, GEMM_ONLY=gemm_only, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, B_KN=layout == "kn",
+            PREFETCH=config.prefetch,
+            num_warps=num_warps, num_stages=config.stages,
+        )
+        descs = tma_descriptors(dy, b, layout, block_m, block_n, block_k)
+        tma_strides = (*strides[4:], dx.stride(0))
+        if config.kind == "row":
+            grid = min(progs, m_tiles)
+            _mm_norm_bwd_tma_kernel[(grid,)](
+                *descs, extra, src, weight, mean_arg, rstd, dx, pdw, pdb, m, n, k, *tma_strides,
+                NUM_PROGS=grid, **common,
+            )
+        else:
+            spin = config.kind == "spin"  # keeps dn in registers: no scratch (dx stands in, never read)
+            scratch = dx if spin or dx_dtype in (f32, g_dtype) else _alloc((m, n), g_dtype, dev)
+            n_tiles = triton.cdiv(n, block_n)
+            q2 = _alloc((n_tiles, m), f32, dev)
+            q1 = _alloc((n_tiles, m), f32, dev) if not is_rms else q2
+            count = torch.zeros((m_tiles,), dtype=torch.int32, device=dev)
+            grid = min(cooperative_grid(dev, n_tiles, config.progs_per_sm), m_tiles * n_tiles)
+            _mm_norm_bwd_coop_kernel[(grid,)](
+                *descs, extra, src, weight, mean_arg, rstd, dx, pdw, pdb, scratch, q1, q2, count, m, n, k,
+                *tma_strides, scratch.stride(0),
+                NUM_PROGS=grid, N_TILES=n_tiles, TILES_P2=triton.next_power_of_2(n_tiles), SPIN=spin, **common,
+            )
+        return _column_sums(dx, pdw, pdb, has_w, has_bias, dev)
+    if gemm_only:
+        raise ValueError("gemm_only needs a TMA configuration")
+    precision = dot_input_precision(dy.dtype, dev)
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INPUT_PRECISION=precision)
     if single:
         _mm_norm_bwd_fused_kernel[(m_tiles,)](
@@ -294,7 +555,6 @@ def mm_norm_backward_triton(
         )
     else:
         # Scratch for dn (module docstring): dx when it is fp32 or dn's unfused dtype, else a buffer.
-        g_dtype = torch.promote_types(dy.dtype, extra.dtype) if extra is not None else dy.dtype
         scratch = dx if dx_dtype in (f32, g_dtype) else _alloc((m, n), g_dtype, dev)
         n_tiles = triton.cdiv(n, block_n)
         q2 = _alloc((n_tiles, m), f32, dev)
@@ -312,7 +572,11 @@ def mm_norm_backward_triton(
             BLOCK_M=fin_m, BLOCK_N=block_n, TILES_P2=triton.next_power_of_2(n_tiles),
             num_warps=FINALIZE_WARPS,
         )
-    # Deterministic column sums: a fixed-order reduction over the M tiles.
-    dw = pdw.sum(0) if has_w else _alloc((0,), f32, dev)
-    db = pdb.sum(0) if has_bias else _alloc((0,), f32, dev)
+    return _column_sums(dx, pdw, pdb, has_w, has_bias, dev)
+
+
+def _column_sums(dx, pdw, pdb, has_w, has_bias, dev):
+    """(dx, dw, db): deterministic column sums, a fixed-order reduction of the [m_tiles, N] partials."""
+    dw = pdw.sum(0) if has_w else _alloc((0,), torch.float32, dev)
+    db = pdb.sum(0) if has_bias else _alloc((0,), torch.float32, dev)
     return dx, dw, db

@@ -4,24 +4,30 @@ Semantics, output shapes and dtypes are those of ``mm_norm_reference`` (mm_norm.
 fp32, bias and residual are added in fp32, statistics are fp32, y is rounded once to ``out_dtype``, hh once
 to the pre-norm dtype.
 
-Two paths, chosen by ``gemm_config`` (_triton_common.py):
+Which kernel runs is a ``GemmConfig`` (_triton_common.py): ``forward_candidates`` lists the ones worth
+timing for a shape, ``tuning.forward_config`` picks the measured best (cached per shape; the first one
+without CUDA or tuning).
 
-- single tile (N <= 256): one program owns BLOCK_M full rows: the GEMM tile, bias/residual, the row
-  statistics in registers (two-pass for LayerNorm), then y, hh, mean, rstd (``_full_row_epilogue``).
-  On Hopper with TMA-compatible operands (``tma_eligible``: 16-bit, A row-major, b a transposed row-major
-  weight, 16-byte aligned rows) ``_mm_norm_fwd_tma_kernel`` does this in a persistent loop fed by TMA
-  (measured: benchmarks/probe_gemm_base.py); otherwise ``_mm_norm_fwd_fused_kernel`` with masked pointer
-  loads, any strides, grid cdiv(M, BLOCK_M).
-- multi tile (N > 256): a row spans cdiv(N, BLOCK_N) programs that cannot talk to each other (no DSMEM in
-  Triton 3.6, platform.md), so the reduction is split:
+On Hopper, with TMA-compatible operands (``tma_layout``: 16-bit, A row-major, b a transposed row-major
+weight or a row-major [K, N] matrix, 16-byte aligned rows), persistent TMA-fed kernels:
+- "row" (N <= 256), ``_mm_norm_fwd_tma_kernel``: one tile holds whole rows; GEMM, bias/residual, two-pass
+  statistics in registers, y/hh/mean/rstd (``_full_row_epilogue``), in a flattened persistent loop.
+- "spin" and "coop" (N > 256), ``_mm_norm_fwd_coop_kernel``: a row spans N_TILES tiles whose programs
+  cannot read each other's registers (no DSMEM in Triton 3.6, platform.md), so each tile publishes per-row
+  partials (LayerNorm tile mean and M2, RMSNorm sum of squares) and bumps its row block's counter. "spin":
+  the tiles of a row block run in the same wave and wait for each other, then normalize their own registers
+  (the DSMEM exchange, through L2). "coop": nobody waits; each tile also writes its h to a scratch and the
+  last one to arrive normalizes the whole row block from there. docs/design.md compares them.
+Otherwise the pointer-load kernels (any strides and dtypes, fp32 too), chosen by ``gemm_config``:
+- single tile (N <= 256): ``_mm_norm_fwd_fused_kernel`` owns BLOCK_M full rows, grid cdiv(M, BLOCK_M).
+- multi tile (N > 256):
   1. ``_mm_norm_fwd_partial_kernel`` (grid cdiv(M, BLOCK_M) * n_tiles) writes per-(tile, row) fp32
-     partials: LayerNorm the tile mean and tile M2 (two-pass in registers), RMSNorm the tile sum of
-     squares; and the tile's h into a scratch, for LayerNorm *centered on the tile mean*;
+     partials and the tile's h into a scratch, for LayerNorm *centered on the tile mean*;
   2. ``_mm_norm_fwd_finalize_kernel`` (grid cdiv(M, FIN_BLOCK_M) * n_tiles) combines the partials of its
      rows (Chan's formula), reads the scratch back and writes y, hh, mean, rstd (in place when the scratch
      is y or hh).
 
-The scratch (the multi-tile h round trip): y itself when ``out_dtype`` is fp32 or the pre-norm dtype, else
+The scratch (the h round trip of "coop" and the multi-tile path): y itself when ``out_dtype`` is fp32 or the pre-norm dtype, else
 hh when it is written (it has the pre-norm dtype), else a fresh buffer in the pre-norm dtype. So h is rounded
 at most to the precision the unfused graph materializes it in (``a @ b + residual`` in the pre-norm dtype),
 never to a narrower ``out_dtype``, and no extra buffer is allocated in the common cases. Storing
@@ -43,16 +49,22 @@ from torch import Tensor
 
 from ._triton_common import (
     FINALIZE_WARPS,
-    TMA_SINGLE_CONFIG,
+    TMA_MAX_BLOCK_N,
+    GemmConfig,
+    cooperative_grid,
     chan_combine,
     dot_input_precision,
     finalize_block_m,
     gemm_config,
     num_sms,
-    tensor_descriptor,
+    pow2_at_least,
+    spin_allowed,
     tile_coords,
     tile_matmul,
-    tma_eligible,
+    tma_descriptors,
+    tma_config,
+    tma_layout,
+    tma_tile,
 )
 
 __all__ = ["mm_norm_triton"]
@@ -177,32 +189,183 @@ def _mm_norm_fwd_tma_kernel(
     stride_bias, stride_rm, stride_rn, stride_w, stride_nb, stride_ym, stride_hm,
     eps,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_NB: tl.constexpr,
-    IS_RMS: tl.constexpr, SAVE_NORMED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_SMS: tl.constexpr,
+    IS_RMS: tl.constexpr, SAVE_NORMED: tl.constexpr, GEMM_ONLY: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGS: tl.constexpr,
+    B_KN: tl.constexpr,
 ):
     """Single tile on Hopper: the same math as ``_mm_norm_fwd_fused_kernel``, with A [M, K] and the weight
     W = b.T [N, K] fed by TMA (host-side descriptors; out-of-bounds rows/columns/K read as 0) and a
     persistent, flattened loop over row blocks, so the next block's loads overlap this block's epilogue.
+    GEMM_ONLY stores h = a @ b as y and skips the norm (the benchmark's "GEMM base" measurement).
     """
     k_tiles = tl.cdiv(K, BLOCK_K)
     cols = tl.arange(0, BLOCK_N).to(tl.int64)
-    for rb in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M), NUM_SMS, flatten=True):
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            a = a_desc.load([rb * BLOCK_M, ki * BLOCK_K])
-            w = w_desc.load([0, ki * BLOCK_K])
-            acc = tl.dot(a, w.T, acc)
+    for rb in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M), NUM_PROGS, flatten=True):
+        acc = tma_tile(a_desc, w_desc, rb * BLOCK_M, 0, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
         rows = (rb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: row * stride must not overflow
+        acc = _add_bias_residual(acc, bias_ptr, res_ptr, rows, cols, M, N, stride_bias, stride_rm, stride_rn,
+                                 HAS_BIAS, HAS_RES)
+        if GEMM_ONLY:
+            mask = (rows < M)[:, None] & (cols < N)[None, :]
+            tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            _full_row_epilogue(
+                acc, rows, cols, M, N, w_ptr, nb_ptr, y_ptr, hh_ptr, mean_ptr, rstd_ptr,
+                stride_w, stride_nb, stride_ym, stride_hm, eps, HAS_W, HAS_NB, IS_RMS, SAVE_NORMED,
+            )
+
+
+@triton.jit
+def _add_bias_residual(acc, bias_ptr, res_ptr, rows, cols, M, N, stride_bias, stride_rm, stride_rn,
+                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    """(acc + bias) + residual in fp32, the reference's order; 0 stays 0 outside [M, N]."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    if HAS_RES:
         mask = (rows < M)[:, None] & (cols < N)[None, :]
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-        if HAS_RES:
-            res = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask, other=0.0)
-            acc += res.to(tl.float32)
-        _full_row_epilogue(
-            acc, rows, cols, M, N, w_ptr, nb_ptr, y_ptr, hh_ptr, mean_ptr, rstd_ptr,
-            stride_w, stride_nb, stride_ym, stride_hm, eps, HAS_W, HAS_NB, IS_RMS, SAVE_NORMED,
+        res = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask, other=0.0)
+        acc += res.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _mm_norm_fwd_coop_kernel(
+    a_desc, w_desc, bias_ptr, res_ptr, w_ptr, nb_ptr,
+    y_ptr, hh_ptr, mean_ptr, rstd_ptr, scr_ptr, p1_ptr, p2_ptr, count_ptr,
+    M, N, K,
+    stride_bias, stride_rm, stride_rn, stride_w, stride_nb, stride_ym, stride_hm, stride_sm,
+    eps,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_NB: tl.constexpr,
+    IS_RMS: tl.constexpr, SAVE_NORMED: tl.constexpr, GEMM_ONLY: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGS: tl.constexpr,
+    B_KN: tl.constexpr, N_TILES: tl.constexpr, TILES_P2: tl.constexpr, SPIN: tl.constexpr,
+):
+    """Rows wider than one tile on Hopper, in one persistent TMA-fed kernel ("cooperative finalize in L2").
+
+    Tiles are numbered row block by row block, so the N_TILES tiles of a row block run at about the same
+    time on neighbouring programs. Each program, for its tile (rb, j):
+    1. computes h = a @ b + bias + residual (TMA, fp32) and the tile's per-row partials (as the two-kernel
+       path: LayerNorm tile mean and M2, centred h in the scratch; RMSNorm sum of squares, h);
+    2. publishes them and bumps the row block's arrival counter (acq_rel, after a CTA barrier, so every
+       thread's stores are visible to whoever sees the new count);
+    3. if it arrived last, it owns the row block's finalize: Chan-combine the partials, then normalize all
+       N_TILES tiles of the scratch (read back from L2, where they were written moments ago) into y/hh.
+    Nothing waits for another program, so the kernel cannot deadlock whatever the scheduling (it runs in
+    the CPU interpreter, programs one after another), and the finalize work spreads over the programs.
+    The partials and scratch are those of ``_mm_norm_fwd_partial_kernel``; counters start at 0.
+    """
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    n_rb = tl.cdiv(M, BLOCK_M)
+    # Not flattened: Triton 3.6's loop fusion fails on the finalize branch's inner loop.
+    for t in tl.range(tl.program_id(0), n_rb * N_TILES, NUM_PROGS):
+        rb = t // N_TILES
+        j = t % N_TILES
+        acc = tma_tile(a_desc, w_desc, rb * BLOCK_M, j * BLOCK_N, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
+        rows = (rb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        mask_m = rows < M
+        mask = mask_m[:, None] & (cols < N)[None, :]
+        acc = _add_bias_residual(acc, bias_ptr, res_ptr, rows, cols, M, N, stride_bias, stride_rm, stride_rn,
+                                 HAS_BIAS, HAS_RES)
+        if GEMM_ONLY:
+            tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            stat = j.to(tl.int64) * M + rows  # partials are [N_TILES, M]
+            if IS_RMS:
+                tl.store(p1_ptr + stat, tl.sum(acc * acc, axis=1), mask=mask_m)
+                out = acc
+            else:
+                n_j = tl.minimum(N - j * BLOCK_N, BLOCK_N)
+                tmean = tl.sum(acc, axis=1) / n_j
+                out = tl.where(mask, acc - tmean[:, None], 0.0)
+                tl.store(p1_ptr + stat, tmean, mask=mask_m)
+                tl.store(p2_ptr + stat, tl.sum(out * out, axis=1), mask=mask_m)
+            if not SPIN:
+                tl.store(scr_ptr + rows[:, None] * stride_sm + cols[None, :], out.to(scr_ptr.dtype.element_ty),
+                         mask=mask)
+            # Every thread's stores above happen before the one release of the counter.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + rb, 1, sem="acq_rel", scope="gpu")
+            if SPIN:
+                # Co-resident exchange: wait until every tile of the row block has published its partials
+                # (they run in the same wave: see the docstring), then normalize this tile from registers.
+                seen = arrived + 1
+                while seen < N_TILES:
+                    seen = tl.atomic_add(count_ptr + rb, 0, sem="acquire", scope="gpu")
+                mean, rstd = _row_stats(rows, M, N, p1_ptr, p2_ptr, eps, IS_RMS, BLOCK_N, N_TILES, TILES_P2)
+                if IS_RMS:
+                    hh = out * rstd[:, None]
+                else:
+                    hh = tl.where(mask, (out + (tmean - mean)[:, None]) * rstd[:, None], 0.0)
+                if j == 0:
+                    if not IS_RMS:
+                        tl.store(mean_ptr + rows, mean, mask=mask_m)
+                    tl.store(rstd_ptr + rows, rstd, mask=mask_m)
+                _affine_store(
+                    hh, y_ptr, hh_ptr, w_ptr, nb_ptr, rows, cols, M, N, stride_ym, stride_hm, stride_w, stride_nb,
+                    HAS_W, HAS_NB, SAVE_NORMED,
+                )
+            elif arrived == N_TILES - 1:
+                _finalize_row_block(
+                    rows, M, N, scr_ptr, p1_ptr, p2_ptr, w_ptr, nb_ptr, y_ptr, hh_ptr, mean_ptr, rstd_ptr,
+                    stride_sm, stride_w, stride_nb, stride_ym, stride_hm, eps,
+                    HAS_W, HAS_NB, IS_RMS, SAVE_NORMED, BLOCK_N, N_TILES, TILES_P2,
+                )
+
+
+@triton.jit
+def _row_stats(rows, M, N, p1_ptr, p2_ptr, eps, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr,
+               N_TILES: tl.constexpr, TILES_P2: tl.constexpr):
+    """(mean, rstd) of rows from the N_TILES per-tile partials (".cg": written by other SMs); LayerNorm
+    Chan-combines (tile mean, M2), RMSNorm sums the tile sums of squares (mean is then unused)."""
+    mask_m = rows < M
+    tiles = tl.arange(0, TILES_P2)
+    tile_ok = tiles < N_TILES
+    pmask = mask_m[:, None] & tile_ok[None, :]
+    pidx = tiles.to(tl.int64)[None, :] * M + rows[:, None]
+    if IS_RMS:
+        sumsq = tl.sum(tl.load(p1_ptr + pidx, mask=pmask, other=0.0, cache_modifier=".cg"), axis=1)
+        rstd = tl.rsqrt(sumsq / N + eps)
+        mean = rstd
+    else:
+        tmean = tl.load(p1_ptr + pidx, mask=pmask, other=0.0, cache_modifier=".cg")
+        tm2 = tl.load(p2_ptr + pidx, mask=pmask, other=0.0, cache_modifier=".cg")
+        count = tl.where(tile_ok, tl.minimum(N - tiles * BLOCK_N, BLOCK_N), 0).to(tl.float32)
+        mean, m2 = chan_combine(tmean, tm2, count, N)
+        rstd = tl.rsqrt(m2 / N + eps)
+    return mean, rstd
+
+
+@triton.jit
+def _finalize_row_block(
+    rows, M, N, scr_ptr, p1_ptr, p2_ptr, w_ptr, nb_ptr, y_ptr, hh_ptr, mean_ptr, rstd_ptr,
+    stride_sm, stride_w, stride_nb, stride_ym, stride_hm, eps,
+    HAS_W: tl.constexpr, HAS_NB: tl.constexpr, IS_RMS: tl.constexpr, SAVE_NORMED: tl.constexpr,
+    BLOCK_N: tl.constexpr, N_TILES: tl.constexpr, TILES_P2: tl.constexpr,
+):
+    """The last-arriving program of a row block: combine the N_TILES partials of its rows, write mean/rstd,
+    normalize every tile of the scratch into y (and hh). Loads bypass L1 (".cg"): the data was written by
+    other SMs."""
+    mask_m = rows < M
+    mean, rstd = _row_stats(rows, M, N, p1_ptr, p2_ptr, eps, IS_RMS, BLOCK_N, N_TILES, TILES_P2)
+    if not IS_RMS:
+        tl.store(mean_ptr + rows, mean, mask=mask_m)
+    tl.store(rstd_ptr + rows, rstd, mask=mask_m)
+    for jj in range(N_TILES):
+        cols = (jj * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        mask = mask_m[:, None] & (cols < N)[None, :]
+        x = tl.load(scr_ptr + rows[:, None] * stride_sm + cols[None, :], mask=mask, other=0.0,
+                    cache_modifier=".cg").to(tl.float32)
+        if IS_RMS:
+            hh = x * rstd[:, None]
+        else:
+            # Undo the tile centring in fp32: h - mean = (h - m_jj) + (m_jj - mean).
+            own = tl.load(p1_ptr + jj * M + rows, mask=mask_m, other=0.0, cache_modifier=".cg")
+            hh = tl.where(mask, (x + (own - mean)[:, None]) * rstd[:, None], 0.0)
+        _affine_store(
+            hh, y_ptr, hh_ptr, w_ptr, nb_ptr, rows, cols, M, N, stride_ym, stride_hm, stride_w, stride_nb,
+            HAS_W, HAS_NB, SAVE_NORMED,
         )
 
 
@@ -304,6 +467,40 @@ def _alloc(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _scratch(y, hh, out_dtype, h_dtype, save_normed, m, n, dev) -> Tensor:
+    """Where multi-tile paths keep h between the GEMM and the normalization (module docstring): y when it
+    has the pre-norm dtype or fp32, else hh when it is written, else a fresh buffer in the pre-norm dtype."""
+    if out_dtype == torch.float32 or out_dtype == h_dtype:
+        return y
+    if save_normed:
+        return hh
+    return _alloc((m, n), h_dtype, dev)
+
+
+def forward_candidates(a: Tensor, b: Tensor, n: int, out_bytes: int = 2) -> list[GemmConfig]:
+    """The configurations worth timing for this shape, best guess first (``tuning`` times them on CUDA and
+    caches the winner; without tuning the first one runs). ``out_bytes``: 4 when an [M, N] output is fp32."""
+    m, k = a.shape
+    if tma_layout(a, b) is None:
+        bm, bn, bk, warps, single = gemm_config(m, n, k, a.dtype, a.device, _FORCE_BLOCK_N)
+        return [GemmConfig("ptr", bm, bn, bk, 3, warps)]
+    bk = min(64, pow2_at_least(k))
+    if _FORCE_BLOCK_N is not None:  # test hook: this N tile, one row-block-per-tile or cooperative
+        bn = _FORCE_BLOCK_N
+        return [GemmConfig("row" if n <= bn else "coop", 128, bn, bk, 3, 4)]
+    bn = pow2_at_least(n)
+    if bn <= TMA_MAX_BLOCK_N:
+        warps = 8 if bn > 64 else 4
+        return [
+            tma_config("row", 128, bn, bk, 3, warps, out_bytes),
+            tma_config("row", 64, bn, bk, 4, 4, out_bytes, progs_per_sm=2),
+        ]
+    out = []
+    if spin_allowed(a.device) and triton.cdiv(n, 128) <= num_sms(a.device):
+        out = [tma_config("spin", 128, 256, bk, 3, 8, out_bytes), tma_config("spin", 128, 128, bk, 4, 8, out_bytes)]
+    return out + [tma_config("coop", 128, 256, bk, 3, 8, out_bytes), tma_config("coop", 64, 256, bk, 4, 4, out_bytes)]
+
+
 def mm_norm_triton(
     a: Tensor,
     b: Tensor,
@@ -315,8 +512,15 @@ def mm_norm_triton(
     is_rms: bool,
     out_dtype: Optional[torch.dtype],
     save_normed: bool,
+    config: Optional[GemmConfig] = None,
+    gemm_only: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(y, hh, mean, rstd) of ``mm_norm_reference``; inputs already checked by the op."""
+    """(y, hh, mean, rstd) of ``mm_norm_reference``; inputs already checked by the op.
+
+    ``config``: one of ``forward_candidates``; None asks ``tuning.forward_config`` (measured and cached on
+    CUDA). ``gemm_only`` (TMA configs only): y = a @ b + bias + residual, no norm (the benchmark's GEMM
+    base).
+    """
     m, k = a.shape
     n = b.shape[1]
     dev = a.device
@@ -329,8 +533,59 @@ def mm_norm_triton(
     rstd = _alloc((m,), f32, dev)
     if m == 0:
         return y, hh, mean, rstd
+    if config is None:
+        from .tuning import forward_config
 
-    block_m, block_n, block_k, num_warps, single = gemm_config(m, n, k, a.dtype, dev, _FORCE_BLOCK_N)
+        config = forward_config(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed)
+    if config.kind == "spin" and triton.cdiv(n, config.block_n) > num_sms(dev):
+        tiles = triton.cdiv(n, config.block_n)
+        raise ValueError(f"{config.label()}: a row block's {tiles} tiles cannot all be resident (spin exchange)")
+    flags = dict(
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        HAS_W=weight is not None, HAS_NB=norm_bias is not None, IS_RMS=is_rms,
+    )
+    res_strides = (residual.stride(0), residual.stride(1)) if residual is not None else (0, 0)
+    w_strides = (
+        weight.stride(0) if weight is not None else 0,
+        norm_bias.stride(0) if norm_bias is not None else 0,
+    )
+    hh_stride = hh.stride(0) if save_normed else 0
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    if config.kind in ("row", "coop", "spin"):
+        progs = num_sms(dev) * config.progs_per_sm
+        layout = tma_layout(a, b)
+        descs = tma_descriptors(a, b, layout, bm, bn, bk)
+        common = dict(
+            **flags, SAVE_NORMED=save_normed, GEMM_ONLY=gemm_only, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            num_warps=config.warps, num_stages=config.stages, B_KN=layout == "kn",
+        )
+        bias_stride = bias.stride(0) if bias is not None else 0
+        if config.kind == "row":
+            _mm_norm_fwd_tma_kernel[(min(progs, triton.cdiv(m, bm)),)](
+                *descs, bias, residual, weight, norm_bias, y, hh, mean, rstd, m, n, k,
+                bias_stride, *res_strides, *w_strides, y.stride(0), hh_stride, float(eps),
+                NUM_PROGS=min(progs, triton.cdiv(m, bm)), **common,
+            )
+            return y, hh, mean, rstd
+        n_tiles = triton.cdiv(n, bn)
+        # The spin exchange keeps every tile in registers: no scratch (y stands in, never written early).
+        scratch = y if config.kind == "spin" else _scratch(y, hh, out_dtype, h_dtype, save_normed, m, n, dev)
+        p1 = _alloc((n_tiles, m), f32, dev)
+        p2 = _alloc((n_tiles, m), f32, dev) if not is_rms else p1
+        count = torch.zeros((triton.cdiv(m, bm),), dtype=torch.int32, device=dev)
+        tiles = triton.cdiv(m, bm) * n_tiles
+        progs = min(cooperative_grid(dev, n_tiles, config.progs_per_sm), tiles)
+        _mm_norm_fwd_coop_kernel[(progs,)](
+            *descs, bias, residual, weight, norm_bias, y, hh, mean, rstd, scratch, p1, p2, count, m, n, k,
+            bias_stride, *res_strides, *w_strides, y.stride(0), hh_stride, scratch.stride(0), float(eps),
+            NUM_PROGS=progs, N_TILES=n_tiles, TILES_P2=triton.next_power_of_2(n_tiles),
+            SPIN=config.kind == "spin", **common,
+        )
+        return y, hh, mean, rstd
+    if gemm_only:
+        raise ValueError("gemm_only needs a TMA configuration")
+    block_m, block_n, block_k, num_warps = bm, bn, bk, config.warps
+    single = n <= block_n
     precision = dot_input_precision(a.dtype, dev)
     gemm_args = (
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
@@ -338,25 +593,6 @@ def mm_norm_triton(
         residual.stride(0) if residual is not None else 0,
         residual.stride(1) if residual is not None else 0,
     )
-    w_strides = (
-        weight.stride(0) if weight is not None else 0,
-        norm_bias.stride(0) if norm_bias is not None else 0,
-    )
-    hh_stride = hh.stride(0) if save_normed else 0
-    if single and tma_eligible(a, b, block_n):
-        bm, bk, stages, warps = TMA_SINGLE_CONFIG
-        sms = num_sms(dev)
-        _mm_norm_fwd_tma_kernel[(min(sms, triton.cdiv(m, bm)),)](
-            tensor_descriptor(a, [bm, bk]), tensor_descriptor(b.t(), [block_n, bk]),
-            bias, residual, weight, norm_bias, y, hh, mean, rstd, m, n, k,
-            gemm_args[4], gemm_args[5], gemm_args[6], *w_strides, y.stride(0), hh_stride, float(eps),
-            HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-            HAS_W=weight is not None, HAS_NB=norm_bias is not None,
-            IS_RMS=is_rms, SAVE_NORMED=save_normed,
-            BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=bk, NUM_SMS=sms,
-            num_warps=warps if block_n > 64 else 4, num_stages=stages,
-        )
-        return y, hh, mean, rstd
     if single:
         _mm_norm_fwd_fused_kernel[(triton.cdiv(m, block_m),)](
             a, b, bias, residual, weight, norm_bias, y, hh, mean, rstd,
@@ -369,13 +605,7 @@ def mm_norm_triton(
         )
         return y, hh, mean, rstd
 
-    # Multi tile: pick the scratch for h (module docstring): fp32 when y is fp32, else the pre-norm dtype.
-    if out_dtype == f32 or out_dtype == h_dtype:
-        scratch = y
-    elif save_normed:
-        scratch = hh
-    else:
-        scratch = _alloc((m, n), h_dtype, dev)
+    scratch = _scratch(y, hh, out_dtype, h_dtype, save_normed, m, n, dev)
     n_tiles = triton.cdiv(n, block_n)
     p1 = _alloc((n_tiles, m), f32, dev)
     p2 = _alloc((n_tiles, m), f32, dev) if not is_rms else p1

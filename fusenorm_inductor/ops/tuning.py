@@ -1,0 +1,404 @@
+"""Per-shape kernel choice and the fuse-or-not decision for the fused GEMM + norm ops, from measurements.
+
+Two questions, both answered by timing on the GPU once per shape and remembered across processes:
+
+1. Which configuration of the fused kernel runs (``forward_config`` / ``backward_config``, called by the
+   launchers on every call): the kernels' candidate list (``forward_candidates`` in mm_norm_kernels.py, ...)
+   is short (2-4 entries), each is timed with CUDA graphs on random inputs of the call's shape, the fastest
+   is kept. Without CUDA, with tuning off, or while a CUDA graph is being captured, the first candidate
+   (the kernels' best guess) runs and nothing is cached.
+2. Whether to fuse at all (``forward_choice`` / ``backward_choice``, called by the patterns at compile time):
+   the best fused time against the unfused path's time, estimated as cuBLAS's GEMM plus a norm at copy
+   speed (Inductor's norm kernels run at the copy bandwidth: baselines-h200.md), so the estimate is what
+   plain Inductor does. Fusion is kept only when it is faster by ``config.tuning.margin``; otherwise the
+   match report names the measured times and Inductor compiles the graph as it would without fusenorm.
+
+The cache is a JSON file (``config.tuning.cache_dir``, default ``~/.cache/fusenorm``) keyed by the GPU,
+torch and triton versions, a hash of the kernel sources, the shape, dtypes and flags. Entries are merged on
+write, so concurrent processes only ever lose each other's newest entries, never corrupt the file.
+
+The choice functions take the ops' own arguments but read only shapes, dtypes, strides, devices and which
+optionals are present, so fake tensors from a traced graph work.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .. import config
+
+__all__ = [
+    "Choice",
+    "backward_choice",
+    "backward_config",
+    "clear_memory",
+    "copy_bandwidth_gbps",
+    "forward_choice",
+    "forward_config",
+    "forward_out_bytes",
+]
+
+CACHE_VERSION = 1
+_memo: dict[tuple, dict] = {}  # in-process cache: key -> entry (as stored on disk)
+_misses: set[tuple] = set()  # keys the disk cache did not have (read the file once per key, not per call)
+
+
+@dataclass(frozen=True)
+class Choice:
+    fuse: bool
+    config: str  # the fused kernel's configuration label ("ptr ...", "row ...", "coop ...")
+    reason: str
+    t_fused_ms: Optional[float] = None
+    t_unfused_ms: Optional[float] = None
+
+
+def clear_memory() -> None:
+    """Forget in-process results (the disk cache stays); tests use it."""
+    _memo.clear()
+    _misses.clear()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Keys and the disk cache
+# ----------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _sources_hash() -> str:
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for name in ("_triton_common.py", "mm_norm_kernels.py", "mm_norm_backward_kernels.py", "tuning.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def _device_tag(device: torch.device) -> str:
+    import triton
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"{name}|torch {torch.__version__}|triton {triton.__version__}"
+
+
+def _cache_file() -> Path:
+    root = config.tuning.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "fusenorm")
+    return Path(root) / f"tuning-v{CACHE_VERSION}.json"
+
+
+def _read_disk() -> dict:
+    try:
+        return json.loads(_cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_disk(key: str, entry: dict) -> None:
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _read_disk()
+        data[key] = entry
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=0, sort_keys=True)
+        os.replace(tmp, path)  # atomic: readers see the old or the new file, never half of one
+    except OSError:
+        pass  # an unwritable cache only costs re-measuring in the next process
+
+
+def _lookup(key: tuple) -> Optional[dict]:
+    if key in _memo:
+        return _memo[key]
+    if key in _misses:
+        return None
+    entry = _read_disk().get(_disk_key(key))
+    if entry is None:
+        _misses.add(key)
+    else:
+        _memo[key] = entry
+    return entry
+
+
+def _store(key: tuple, entry: dict) -> None:
+    _memo[key] = entry
+    _misses.discard(key)
+    _write_disk(_disk_key(key), entry)
+
+
+def _disk_key(key: tuple) -> str:
+    return json.dumps([_device_tag(key[1]), _sources_hash(), key[0], *key[2:]], default=str)
+
+
+def _spec(t: Optional[Tensor]):
+    """What of an argument decides the kernel and its speed (None stays None)."""
+    if t is None:
+        return None
+    return (tuple(t.shape), tuple(t.stride()), str(t.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _can_measure(device: torch.device) -> bool:
+    return device.type == "cuda" and config.tuning.measure and not torch.cuda.is_current_stream_capturing()
+
+
+def _time_ms(fn: Callable[[], object]) -> float:
+    """Median GPU time of fn in a CUDA graph (leaves out the CPU launch cost, which a training step
+    overlaps with earlier kernels); inf when fn fails (e.g. a config that does not fit shared memory)."""
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return float(do_bench_cudagraph(fn, rep=config.tuning.rep_ms, return_mode="median"))
+    except Exception:  # noqa: BLE001 - a failing candidate is simply not chosen
+        torch.cuda.synchronize()
+        return float("inf")
+
+
+class _RealInputs:
+    """Random tensors like the given (possibly fake) ones, made outside any fake/functional mode."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        self._modes = _disable_current_modes()
+        self._modes.__enter__()
+        self._grad = torch.no_grad()
+        self._grad.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._grad.__exit__(*exc)
+        self._modes.__exit__(*exc)
+
+    @staticmethod
+    def like(t: Optional[Tensor], device: torch.device, scale: float = 1.0) -> Optional[Tensor]:
+        if t is None:
+            return None
+        if t.numel() == 0:
+            return torch.empty(tuple(t.shape), dtype=t.dtype, device=device)
+        # Same strides as the original (a transposed weight stays transposed).
+        base = torch.randn(t.shape, dtype=torch.float32, device=device) * scale
+        out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+        return out.copy_(base)
+
+
+def _norm_proxy_ms(m: int, n: int, dtype: torch.dtype, passes: int, device: torch.device) -> float:
+    """The unfused norm's time, taken as ``passes`` streams of [m, n] elements at the copy bandwidth:
+    Inductor's norm kernels reach it on these shapes (baselines-h200.md). (torch's own ``copy_`` does not:
+    ~2.7 of ~4.2 TB/s on the H200, which would make the unfused path look slower than it is.)"""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return passes * m * n * itemsize / (copy_bandwidth_gbps(device) * 1e6)
+
+
+@functools.cache
+def _copy_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(src, dst, numel, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+    return copy
+
+
+def copy_bandwidth_gbps(device: torch.device) -> float:
+    """Streaming bandwidth (read + write) of a wide Triton copy of 1 GiB, GB/s; measured once per device
+    and process (also the benchmark's bandwidth ceiling)."""
+    key = ("copy_gbps", device)
+    if key not in _memo:
+        import triton
+
+        with _RealInputs():
+            numel = 1 << 29
+            src = torch.empty(numel, dtype=torch.bfloat16, device=device)
+            dst = torch.empty_like(src)
+            block = 8192
+            kernel = _copy_kernel()
+            ms = _time_ms(lambda: kernel[(triton.cdiv(numel, block),)](src, dst, numel, BLOCK=block, num_warps=8))
+            del src, dst
+        _memo[key] = {"gbps": 2 * numel * 2 / (ms * 1e6)}
+    return _memo[key]["gbps"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Forward: fusenorm::mm_norm
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _forward_key(a, b, bias, residual, weight, norm_bias, is_rms, out_dtype, save_normed) -> tuple:
+    return (
+        "mm_norm", a.device, _spec(a), _spec(b), _spec(bias), _spec(residual), _spec(weight), _spec(norm_bias),
+        bool(is_rms), str(out_dtype), bool(save_normed),
+    )
+
+
+def _measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed) -> dict:
+    from .mm_norm_kernels import forward_candidates, mm_norm_triton
+
+    dev = a.device
+    with _RealInputs():
+        ra = _RealInputs.like(a, dev)
+        rb = _RealInputs.like(b, dev, scale=a.shape[1] ** -0.5)
+        args = [_RealInputs.like(t, dev) for t in (bias, residual, weight, norm_bias)]
+        times = {}
+        out_bytes = forward_out_bytes(ra, residual, out_dtype, save_normed)
+        for cand in forward_candidates(ra, rb, rb.shape[1], out_bytes):
+            times[cand] = _time_ms(
+                lambda c=cand: mm_norm_triton(ra, rb, *args, eps, is_rms, out_dtype, save_normed, config=c)
+            )
+        best = min(times, key=times.get)
+        bias_r, res_r = args[0], args[1]
+        mm = (lambda: torch.addmm(bias_r, ra, rb)) if bias_r is not None else (lambda: torch.mm(ra, rb))
+        t_mm = _time_ms(mm)
+        # Inductor's norm reads h (and the residual) and writes y.
+        t_norm = _norm_proxy_ms(ra.shape[0], rb.shape[1], ra.dtype, 3 if res_r is not None else 2, dev)
+    return _entry(best, times, t_mm + t_norm)
+
+
+def _entry(best, times: dict, t_unfused: float) -> dict:
+    return {
+        "config": list(best),
+        "t_fused_ms": times[best],
+        "t_unfused_ms": t_unfused,
+        "candidates": {c.label(): t for c, t in times.items()},
+    }
+
+
+def _config_of(entry: dict):
+    from ._triton_common import GemmConfig
+
+    return GemmConfig(*entry["config"])
+
+
+def forward_out_bytes(a, residual, out_dtype, save_normed) -> int:
+    """Bytes per element of the widest [M, N] output (4 when y or hh is fp32): it bounds the pipeline depth."""
+    h_dtype = torch.promote_types(a.dtype, residual.dtype) if residual is not None else a.dtype
+    wide = (out_dtype or a.dtype) == torch.float32 or (save_normed and h_dtype == torch.float32)
+    return 4 if wide else 2
+
+
+def forward_config(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed):
+    """The GemmConfig the forward launcher runs for these (real) arguments: the cached measurement when
+    there is one (also while a CUDA graph is captured), else measure now, else the first candidate."""
+    from .mm_norm_kernels import forward_candidates
+
+    cands = forward_candidates(a, b, b.shape[1], forward_out_bytes(a, residual, out_dtype, save_normed))
+    if len(cands) == 1 or a.device.type != "cuda":
+        return cands[0]
+    key = _forward_key(a, b, bias, residual, weight, norm_bias, is_rms, out_dtype, save_normed)
+    entry = _lookup(key)
+    if entry is None and not _can_measure(a.device):
+        return cands[0]
+    if entry is None:
+        entry = _measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed)
+        _store(key, entry)
+    return _config_of(entry)
+
+
+def forward_choice(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed) -> Choice:
+    """Whether ``mm_norm`` beats the unfused GEMM + norm on this shape, and with which configuration."""
+    key = _forward_key(a, b, bias, residual, weight, norm_bias, is_rms, out_dtype or a.dtype, save_normed)
+    measure = functools.partial(
+        _measure_forward, a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed
+    )
+    return _choice(key, a.device, measure, lambda: _default_label(a))
+
+
+def _default_label(t: Tensor) -> str:
+    return f"{t.device.type} reference" if t.device.type != "cuda" else "the kernels' first candidate"
+
+
+def _choice(key, device, measure: Callable[[], dict], default_label: Callable[[], str]) -> Choice:
+    if not _can_measure(device):
+        why = "not measured on CPU" if device.type != "cuda" else "not measured (config.tuning.measure off)"
+        return Choice(True, default_label(), f"fused ({why})")
+    entry = _lookup(key)
+    if entry is None:
+        entry = measure()
+        _store(key, entry)
+    t_f, t_u = entry["t_fused_ms"], entry["t_unfused_ms"]
+    label = _config_of(entry).label()
+    fuse = t_f < t_u * (1.0 - config.tuning.margin)
+    verdict = "fused" if fuse else "left unfused: fusion would not win"
+    reason = f"{verdict} (measured {t_f:.4g} ms fused [{label}] vs {t_u:.4g} ms cuBLAS GEMM + norm at copy speed)"
+    return Choice(fuse, label, reason, t_f, t_u)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Backward: fusenorm::mm_norm_backward
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _backward_key(dy, b, extra, src, weight, is_rms, src_is_normed, has_bias, dx_dtype) -> tuple:
+    return (
+        "mm_norm_backward", dy.device, _spec(dy), _spec(b), _spec(extra), _spec(src), _spec(weight),
+        bool(is_rms), bool(src_is_normed), bool(has_bias), str(dx_dtype),
+    )
+
+
+def _measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype) -> dict:
+    from .mm_norm_backward_kernels import backward_candidates, mm_norm_backward_triton
+
+    dev = dy.device
+    with _RealInputs():
+        rdy = _RealInputs.like(dy, dev)
+        rb = _RealInputs.like(b, dev, scale=dy.shape[1] ** -0.5)
+        rextra, rsrc, rw = (_RealInputs.like(t, dev) for t in (extra, src, weight))
+        rmean = _RealInputs.like(mean, dev)
+        rstd_r = _RealInputs.like(rstd, dev).abs_() + 0.5
+        times = {}
+        for cand in backward_candidates(rdy, rb, rb.shape[1], 4 if dx_dtype == torch.float32 else 2):
+            times[cand] = _time_ms(
+                lambda c=cand: mm_norm_backward_triton(
+                    rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms, src_is_normed, has_bias, dx_dtype, config=c
+                )
+            )
+        best = min(times, key=times.get)
+        t_mm = _time_ms(lambda: torch.mm(rdy, rb))
+        # The unfused norm backward reads dn and the saved tensor and writes dx (row sums stay on chip).
+        t_norm = _norm_proxy_ms(rdy.shape[0], rb.shape[1], rdy.dtype, 3, dev)
+    return _entry(best, times, t_mm + t_norm)
+
+
+def backward_config(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype):
+    """The GemmConfig the backward launcher runs for these (real) arguments (as forward_config)."""
+    from .mm_norm_backward_kernels import backward_candidates
+
+    cands = backward_candidates(dy, b, b.shape[1], 4 if dx_dtype == torch.float32 else 2)
+    if len(cands) == 1 or dy.device.type != "cuda":
+        return cands[0]
+    key = _backward_key(dy, b, extra, src, weight, is_rms, src_is_normed, has_bias, dx_dtype)
+    entry = _lookup(key)
+    if entry is None and not _can_measure(dy.device):
+        return cands[0]
+    if entry is None:
+        entry = _measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype)
+        _store(key, entry)
+    return _config_of(entry)
+
+
+def backward_choice(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype) -> Choice:
+    """Whether ``mm_norm_backward`` beats the unfused data-gradient GEMM + norm backward on this shape."""
+    key = _backward_key(dy, b, extra, src, weight, is_rms, src_is_normed, has_bias, dx_dtype)
+    measure = functools.partial(
+        _measure_backward, dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype
+    )
+    return _choice(key, dy.device, measure, lambda: _default_label(dy))

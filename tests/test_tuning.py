@@ -1,0 +1,96 @@
+"""ops/tuning.py: the per-shape kernel choice and the fuse-or-not decision, and their cache.
+
+CPU: nothing is measured (every match fuses, the kernels' first candidate runs), the config rules, the disk
+cache round trip. CUDA: a real measurement is cached on disk and found again by a fresh process state, and
+the launcher uses the cached choice even while a CUDA graph is captured (where it must not measure).
+"""
+
+import json
+
+import pytest
+import torch
+
+from fusenorm_inductor import config
+from fusenorm_inductor.ops import _triton_common as common
+from fusenorm_inductor.ops import tuning
+
+
+@pytest.fixture(autouse=True)
+def _fresh(tmp_path):
+    tuning.clear_memory()
+    with config.patch({"tuning.cache_dir": str(tmp_path)}):
+        yield
+    tuning.clear_memory()
+
+
+def _fwd_args(device, m=4096, k=256, n=256, dtype=torch.bfloat16):
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(n, k, device=device, dtype=dtype)
+    return (a, w.t(), None, None, torch.ones(n, device=device), None, 1e-5, False, dtype, True)
+
+
+def test_cpu_is_not_measured():
+    choice = tuning.forward_choice(*_fwd_args("cpu", m=33, k=40, n=40, dtype=torch.float32))
+    assert choice.fuse and choice.t_fused_ms is None and "not measured on CPU" in choice.reason
+
+
+def test_smem_rule_and_grid():
+    # A 128 x 256 fp32 output tile (128 KiB) leaves room for 2 pipeline stages of 64-deep K slices, not 3.
+    assert common.tma_config("row", 128, 256, 64, 3, 8, out_bytes=4)[1:5] == (64, 256, 64, 3)
+    assert common.tma_config("row", 128, 256, 64, 3, 8, out_bytes=2).stages == 3
+    for n_tiles in (1, 3, 8, 16, 32):
+        progs = common.cooperative_grid(torch.device("cpu"), n_tiles, 1)
+        assert progs % n_tiles == 0 and progs >= n_tiles
+
+
+def test_disk_cache_round_trip(tmp_path):
+    key = ("mm_norm", torch.device("cpu"), ((8, 8), (8, 1), "torch.bfloat16"))
+    entry = {"config": list(common.GemmConfig("row", 64, 64, 64, 3, 4)), "t_fused_ms": 1.0, "t_unfused_ms": 2.0,
+             "candidates": {}}
+    tuning._store(key, entry)
+    tuning.clear_memory()
+    assert tuning._lookup(key) == entry
+    files = list(tmp_path.glob("tuning-v*.json"))
+    assert len(files) == 1 and len(json.loads(files[0].read_text())) == 1
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_measured_choice_is_cached(monkeypatch):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA kernels need sm_90+")
+    args = _fwd_args("cuda", m=65536)
+    with config.patch({"tuning.measure": True}):
+        choice = tuning.forward_choice(*args)
+        assert choice.t_fused_ms > 0 and choice.t_unfused_ms > 0, choice
+        assert choice.reason.startswith("fused" if choice.fuse else "left unfused"), choice.reason
+        # A new process state reads the disk cache instead of measuring again.
+        tuning.clear_memory()
+        monkeypatch.setattr(tuning, "_measure_forward", lambda *a, **k: pytest.fail("measured twice"))
+        again = tuning.forward_choice(*args)
+        assert (again.config, again.t_fused_ms) == (choice.config, choice.t_fused_ms)
+        assert tuning.forward_config(*args).label() == choice.config
+
+
+@cuda
+def test_capture_uses_cached_config(monkeypatch, tmp_path):
+    """While a CUDA graph is captured nothing is measured, but a cached choice is still used (a
+    ``mode="reduce-overhead"`` step must run the tuned kernel, not the first candidate)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA kernels need sm_90+")
+    from fusenorm_inductor.ops import mm_norm_kernels as fk
+
+    args = _fwd_args("cuda")
+    cands = fk.forward_candidates(args[0], args[1], 256)
+    assert len(cands) > 1
+    key = tuning._forward_key(*args[:6], args[7], args[8], args[9])
+    tuning._store(key, {"config": list(cands[1]), "t_fused_ms": 1.0, "t_unfused_ms": 2.0, "candidates": {}})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with config.patch({"tuning.measure": True}):
+        assert tuning.forward_config(*args) == cands[1]
+    tuning.clear_memory()  # no entry (an empty cache directory): the first candidate, nothing measured
+    with config.patch({"tuning.measure": True, "tuning.cache_dir": str(tmp_path / "empty")}):
+        monkeypatch.setattr(tuning, "_measure_forward", lambda *a, **k: pytest.fail("measured during capture"))
+        assert tuning.forward_config(*args) == cands[0]
