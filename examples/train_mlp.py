@@ -89,9 +89,15 @@ def main() -> None:
         if backend == "fusenorm":
             import fusenorm_inductor
 
-            print(fusenorm_inductor.last_report().to_markdown())
+            report = fusenorm_inductor.last_report()
+            if report is not None:
+                print(report.to_markdown())
+            else:  # an FX graph cache hit compiles nothing, so the passes (and their report) did not run
+                print("(no match report: the graph came from Inductor's FX graph cache; run with "
+                      "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 to see it)")
 
-    print(f"{args.depth} x (Linear -> LayerNorm{'' if args.act == 'none' else ' -> ' + args.act}), rows={args.rows}, width={args.width}, {args.dtype}, {device}")
+    act = "" if args.act == "none" else " -> " + args.act
+    print(f"{args.depth} x (Linear -> LayerNorm{act}), rows={args.rows}, width={args.width}, {args.dtype}, {device}")
     print(f"{'step':>5} {'loss fusenorm':>14} {'loss inductor':>14}")
     for i, (a, b) in enumerate(zip(results["fusenorm"][0], results["inductor"][0])):
         if i % max(1, args.steps // 10) == 0 or i == args.steps - 1:

@@ -94,3 +94,26 @@ def test_capture_uses_cached_config(monkeypatch, tmp_path):
     with config.patch({"tuning.measure": True, "tuning.cache_dir": str(tmp_path / "empty")}):
         monkeypatch.setattr(tuning, "_measure_forward", lambda *a, **k: pytest.fail("measured during capture"))
         assert tuning.forward_config(*args) == cands[0]
+
+
+@cuda
+def test_compile_measures_and_reports(recwarn):
+    """The default path on CUDA: the patterns measure at compile time (inside the joint-graph pass, under
+    fake tensors) and either fuse or leave the match unfused, naming the measured times in the report."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA kernels need sm_90+")
+    import fusenorm_inductor
+
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 64))
+    model = model.to("cuda", torch.bfloat16)
+    x = torch.randn(32768, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with config.patch({"tuning.measure": True}):
+        out = torch.compile(model, backend="fusenorm", dynamic=False)(x)
+        out.float().square().mean().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    entries = []
+    for rep in fusenorm_inductor.reports():
+        entries += [r.kernel for r in rep.rewrites if r.pattern in ("linear_norm_fwd", "dgrad_norm_bwd")]
+        entries += [s.reason for s in rep.skips if s.pattern in ("linear_norm_fwd", "dgrad_norm_bwd")]
+    assert len(entries) >= 2 and all("measured" in e for e in entries), entries
+    assert not [w for w in recwarn if "fusenorm" in str(w.message)], [str(w.message) for w in recwarn]

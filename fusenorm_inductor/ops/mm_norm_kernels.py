@@ -27,15 +27,15 @@ Otherwise the pointer-load kernels (any strides and dtypes, fp32 too), chosen by
      rows (Chan's formula), reads the scratch back and writes y, hh, mean, rstd (in place when the scratch
      is y or hh).
 
-The scratch (the h round trip of "coop" and the multi-tile path): y itself when ``out_dtype`` is fp32 or the pre-norm dtype, else
-hh when it is written (it has the pre-norm dtype), else a fresh buffer in the pre-norm dtype. So h is rounded
-at most to the precision the unfused graph materializes it in (``a @ b + residual`` in the pre-norm dtype),
-never to a narrower ``out_dtype``, and no extra buffer is allocated in the common cases. Storing
-``h - tile_mean`` rather than h for LayerNorm keeps that rounding relative to the row's spread instead of to
-|h|: with |mean| >> std (e.g. rows of 1000 + N(0, 1) in fp16, ulp(1000) = 0.5) rounding h itself would
-destroy hh, whereas the centered value rounds like the final output does. The tile mean stays in fp32 (the
-partials) and is added back in fp32 in step 2. (An always-fp32 scratch would be exact but makes the round
-trip 8 bytes per element instead of 4 for 16-bit models.)
+The scratch (the h round trip of "coop" and the multi-tile path): y itself when ``out_dtype`` is fp32 or the
+pre-norm dtype, else hh when it is written (it has the pre-norm dtype), else a fresh buffer in the pre-norm
+dtype. So h is rounded at most to the precision the unfused graph materializes it in (``a @ b + residual``
+in the pre-norm dtype), never to a narrower ``out_dtype``, and no extra buffer is allocated in the common
+cases. Storing ``h - tile_mean`` rather than h for LayerNorm keeps that rounding relative to the row's spread
+instead of to |h|: with |mean| >> std (e.g. rows of 1000 + N(0, 1) in fp16, ulp(1000) = 0.5) rounding h
+itself would destroy hh, whereas the centered value rounds like the final output does. The tile mean stays
+in fp32 (the partials) and is added back in fp32 when normalizing. (An always-fp32 scratch would be exact
+but makes the round trip 8 bytes per element instead of 4 for 16-bit models.) "spin" needs no scratch.
 """
 
 from __future__ import annotations

@@ -191,8 +191,10 @@ class _RealInputs:
             return None
         if t.numel() == 0:
             return torch.empty(tuple(t.shape), dtype=t.dtype, device=device)
-        # Same strides as the original (a transposed weight stays transposed).
-        base = torch.randn(t.shape, dtype=torch.float32, device=device) * scale
+        # Same strides as the original (a transposed weight stays transposed). A private generator: tuning
+        # at compile time must not move the user's random streams.
+        gen = torch.Generator(device=device).manual_seed(0)
+        base = torch.randn(t.shape, dtype=torch.float32, device=device, generator=gen) * scale
         out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
         return out.copy_(base)
 
