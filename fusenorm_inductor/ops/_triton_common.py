@@ -186,6 +186,21 @@ def tma_config(kind: str, bm: int, bn: int, bk: int, stages: int, warps: int, ou
     return GemmConfig(kind, 64, bn, bk, 2, warps, **kw)
 
 
+def fixed_candidates(a: torch.Tensor, b: torch.Tensor, n: int, force_block_n: Optional[int], **kw):
+    """(candidates, BLOCK_K) shared by both ops' candidate lists: the one pointer-kernel config when TMA
+    cannot read the operands, the test hook's forced N tile (``kw`` for it), else None: the caller lists its
+    TMA configs with that BLOCK_K."""
+    m, k = a.shape
+    if tma_layout(a, b) is None:
+        bm, bn, bk, warps, _ = gemm_config(m, n, k, a.dtype, a.device, force_block_n)
+        return [GemmConfig("ptr", bm, bn, bk, 3, warps)], bk
+    bk = min(64, pow2_at_least(k))
+    if force_block_n is not None:  # whole rows per tile, or the cooperative kernel over force_block_n tiles
+        kind = "row" if n <= force_block_n else "coop"
+        return [GemmConfig(kind, 128, force_block_n, bk, 3, 4, **kw)], bk
+    return None, bk
+
+
 def cooperative_grid(device: torch.device, n_tiles: int, progs_per_sm: int) -> int:
     """Persistent programs for the row-exchanging kernels: a multiple of n_tiles, so every program keeps
     one N column and a row block's tiles always run in the same wave (no row block straddles two waves,

@@ -45,9 +45,9 @@ from ._triton_common import (
     TMA_MAX_BLOCK_N,
     GemmConfig,
     cooperative_grid,
+    fixed_candidates,
     dot_input_precision,
     finalize_block_m,
-    gemm_config,
     num_sms,
     pow2_at_least,
     spin_allowed,
@@ -119,11 +119,7 @@ def _grad_tile(
         dy_ptr, b_ptr, rows, cols, M, N, K, stride_dym, stride_dyk, stride_bk, stride_bn,
         BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION,
     )
-    if HAS_EXTRA:
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        ex = tl.load(extra_ptr + rows[:, None] * stride_em + cols[None, :] * stride_en, mask=mask, other=0.0)
-        dn += ex.to(tl.float32)
-    return dn
+    return _add_extra(dn, extra_ptr, rows, cols, M, N, stride_em, stride_en, HAS_EXTRA)
 
 
 @triton.jit
@@ -182,11 +178,8 @@ def _mm_norm_bwd_fused_kernel(
     t = _weighted(dn, w_ptr, cols, N, stride_w, HAS_W)
     # Whole rows are in registers: both row means come straight from the tile.
     c_th = tl.sum(t * hh, axis=1) / N
-    if IS_RMS:
-        dx = rstd[:, None] * (t - hh * c_th[:, None])
-    else:
-        c_t = tl.sum(t, axis=1) / N
-        dx = rstd[:, None] * (t - c_t[:, None] - hh * c_th[:, None])
+    c_t = tl.sum(t, axis=1) / N  # unused (and dropped by the compiler) for RMSNorm
+    dx = _dx_tile(t, hh, rstd, c_t, c_th, IS_RMS)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -431,14 +424,9 @@ def _alloc(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 def backward_candidates(dy: Tensor, b: Tensor, n: int, out_bytes: int = 2) -> list[GemmConfig]:
     """The configurations worth timing for this shape, best guess first (see forward_candidates)."""
-    m, k = dy.shape
-    if tma_layout(dy, b) is None:
-        bm, bn, bk, warps, single = gemm_config(m, n, k, dy.dtype, dy.device, _FORCE_BLOCK_N)
-        return [GemmConfig("ptr", bm, bn, bk, 3, warps)]
-    bk = min(64, pow2_at_least(k))
-    if _FORCE_BLOCK_N is not None:  # test hook, as in the forward
-        bn = _FORCE_BLOCK_N
-        return [GemmConfig("row" if n <= bn else "coop", 128, bn, bk, 3, 4, prefetch=True)]
+    fixed, bk = fixed_candidates(dy, b, n, _FORCE_BLOCK_N, prefetch=True)
+    if fixed is not None:
+        return fixed
     bn = pow2_at_least(n)
     if bn <= TMA_MAX_BLOCK_N:
         # The epilogue holds dn, hh and t at once (and src across the K loop when prefetched).

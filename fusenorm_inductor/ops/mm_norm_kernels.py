@@ -52,10 +52,10 @@ from ._triton_common import (
     TMA_MAX_BLOCK_N,
     GemmConfig,
     cooperative_grid,
+    fixed_candidates,
     chan_combine,
     dot_input_precision,
     finalize_block_m,
-    gemm_config,
     num_sms,
     pow2_at_least,
     spin_allowed,
@@ -91,15 +91,8 @@ def _prenorm_tile(
         a_ptr, b_ptr, rows, cols, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
         BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION,
     )
-    # Same order as the reference: (a @ b + bias) + residual, all in fp32.
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
-        h += bias.to(tl.float32)[None, :]
-    if HAS_RES:
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        res = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask, other=0.0)
-        h += res.to(tl.float32)
-    return h
+    return _add_bias_residual(h, bias_ptr, res_ptr, rows, cols, M, N, stride_bias, stride_rm, stride_rn,
+                              HAS_BIAS, HAS_RES)
 
 
 @triton.jit
@@ -480,14 +473,9 @@ def _scratch(y, hh, out_dtype, h_dtype, save_normed, m, n, dev) -> Tensor:
 def forward_candidates(a: Tensor, b: Tensor, n: int, out_bytes: int = 2) -> list[GemmConfig]:
     """The configurations worth timing for this shape, best guess first (``tuning`` times them on CUDA and
     caches the winner; without tuning the first one runs). ``out_bytes``: 4 when an [M, N] output is fp32."""
-    m, k = a.shape
-    if tma_layout(a, b) is None:
-        bm, bn, bk, warps, single = gemm_config(m, n, k, a.dtype, a.device, _FORCE_BLOCK_N)
-        return [GemmConfig("ptr", bm, bn, bk, 3, warps)]
-    bk = min(64, pow2_at_least(k))
-    if _FORCE_BLOCK_N is not None:  # test hook: this N tile, one row-block-per-tile or cooperative
-        bn = _FORCE_BLOCK_N
-        return [GemmConfig("row" if n <= bn else "coop", 128, bn, bk, 3, 4)]
+    fixed, bk = fixed_candidates(a, b, n, _FORCE_BLOCK_N)
+    if fixed is not None:
+        return fixed
     bn = pow2_at_least(n)
     if bn <= TMA_MAX_BLOCK_N:
         warps = 8 if bn > 64 else 4

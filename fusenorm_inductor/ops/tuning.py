@@ -248,7 +248,7 @@ def copy_bandwidth_gbps(device: torch.device) -> float:
 def _forward_key(a, b, bias, residual, weight, norm_bias, is_rms, out_dtype, save_normed) -> tuple:
     return (
         "mm_norm", a.device, _spec(a), _spec(b), _spec(bias), _spec(residual), _spec(weight), _spec(norm_bias),
-        bool(is_rms), str(out_dtype), bool(save_normed),
+        bool(is_rms), str(out_dtype or a.dtype), bool(save_normed),
     )
 
 
@@ -298,26 +298,36 @@ def forward_out_bytes(a, residual, out_dtype, save_normed) -> int:
 
 
 def forward_config(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed):
-    """The GemmConfig the forward launcher runs for these (real) arguments: the cached measurement when
-    there is one (also while a CUDA graph is captured), else measure now, else the first candidate."""
+    """The GemmConfig the forward launcher runs for these (real) arguments (see _tuned_config)."""
     from .mm_norm_kernels import forward_candidates
 
-    cands = forward_candidates(a, b, b.shape[1], forward_out_bytes(a, residual, out_dtype, save_normed))
-    if len(cands) == 1 or a.device.type != "cuda":
+    return _tuned_config(
+        _forward_key(a, b, bias, residual, weight, norm_bias, is_rms, out_dtype, save_normed),
+        a.device,
+        lambda: forward_candidates(a, b, b.shape[1], forward_out_bytes(a, residual, out_dtype, save_normed)),
+        lambda: _measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed),
+    )
+
+
+def _tuned_config(key: tuple, device: torch.device, candidates: Callable[[], list], measure: Callable[[], dict]):
+    """The cached measurement when there is one (also while a CUDA graph is captured: the launcher's hot
+    path is one dict lookup), else measure now and cache, else (no CUDA, tuning off, capturing, or a single
+    candidate) the first candidate."""
+    if device.type == "cuda":
+        entry = _lookup(key)
+        if entry is not None:
+            return _config_of(entry)
+    cands = candidates()
+    if len(cands) == 1 or not _can_measure(device):
         return cands[0]
-    key = _forward_key(a, b, bias, residual, weight, norm_bias, is_rms, out_dtype, save_normed)
-    entry = _lookup(key)
-    if entry is None and not _can_measure(a.device):
-        return cands[0]
-    if entry is None:
-        entry = _measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed)
-        _store(key, entry)
+    entry = measure()
+    _store(key, entry)
     return _config_of(entry)
 
 
 def forward_choice(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed) -> Choice:
     """Whether ``mm_norm`` beats the unfused GEMM + norm on this shape, and with which configuration."""
-    key = _forward_key(a, b, bias, residual, weight, norm_bias, is_rms, out_dtype or a.dtype, save_normed)
+    key = _forward_key(a, b, bias, residual, weight, norm_bias, is_rms, out_dtype, save_normed)
     measure = functools.partial(
         _measure_forward, a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed
     )
@@ -381,20 +391,15 @@ def _measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_norm
 
 
 def backward_config(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype):
-    """The GemmConfig the backward launcher runs for these (real) arguments (as forward_config)."""
+    """The GemmConfig the backward launcher runs for these (real) arguments (see _tuned_config)."""
     from .mm_norm_backward_kernels import backward_candidates
 
-    cands = backward_candidates(dy, b, b.shape[1], 4 if dx_dtype == torch.float32 else 2)
-    if len(cands) == 1 or dy.device.type != "cuda":
-        return cands[0]
-    key = _backward_key(dy, b, extra, src, weight, is_rms, src_is_normed, has_bias, dx_dtype)
-    entry = _lookup(key)
-    if entry is None and not _can_measure(dy.device):
-        return cands[0]
-    if entry is None:
-        entry = _measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype)
-        _store(key, entry)
-    return _config_of(entry)
+    return _tuned_config(
+        _backward_key(dy, b, extra, src, weight, is_rms, src_is_normed, has_bias, dx_dtype),
+        dy.device,
+        lambda: backward_candidates(dy, b, b.shape[1], 4 if dx_dtype == torch.float32 else 2),
+        lambda: _measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype),
+    )
 
 
 def backward_choice(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype) -> Choice:
