@@ -117,15 +117,36 @@ class _Forbidden:
 
 
 @pytest.mark.parametrize("case", [c for c, v in FWD_CASES.items() if v.b_t and not v.col_major])
-@pytest.mark.parametrize("mkn", [(257, 40, 24), (33, 64, 40), (130, 72, 256)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "mkn", [(257, 40, 24), (33, 64, 40), (130, 72, 256), (66, 40, 37)], ids=lambda s: "x".join(map(str, s))
+)
 @NORMS
 def test_forward_tma_single_tile(monkeypatch, case, mkn, is_rms):
     """The Hopper path (TMA-fed persistent loop), forced onto CPU tensors: M, N, K not multiples of the
-    blocks (TMA zero-fills out of bounds), several row blocks per program (4 programs here)."""
+    blocks (TMA zero-fills out of bounds, the y store clips), several row blocks per program (4 programs
+    here); N = 37 has a y row pitch TMA cannot store (74 bytes), so y leaves through pointer stores."""
     monkeypatch.setattr(common, "_FORCE_TMA", True)
     monkeypatch.setattr(fwd_k, "_mm_norm_fwd_fused_kernel", _Forbidden())
+    seen = _Recording(fwd_k._mm_norm_fwd_tma_kernel, "Y_TMA")
+    monkeypatch.setattr(fwd_k, "_mm_norm_fwd_tma_kernel", seen)
     m, k, n = mkn
     TARGET.run_forward(FWD_CASES[case], m, k, n, F16, is_rms)
+    out_bytes = 4 if FWD_CASES[case].out == "f32" else 2
+    assert seen.values and all(v == (n * out_bytes % 16 == 0) for v in seen.values), seen.values
+
+
+class _Recording:
+    """Wraps a kernel and records one keyword of every launch."""
+
+    def __init__(self, kernel, key):
+        self.kernel, self.key, self.values = kernel, key, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.values.append(kwargs[self.key])
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
 
 
 # ----------------------------------------------------------------------------------------------------------

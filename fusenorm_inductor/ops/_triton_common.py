@@ -281,6 +281,15 @@ def tma_tile(a_desc, b_desc, off_m, off_n, k_tiles, BLOCK_M: tl.constexpr, BLOCK
     return acc
 
 
+def tma_store_ok(t: torch.Tensor) -> bool:
+    """Whether a 2-D output the launcher allocated can be written by TMA stores: row-major, 16-byte row
+    pitch and base (the kernels still need a TMA config, which implies sm_90+ or the interpreter hook)."""
+    return (
+        t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+        and t.data_ptr() % 16 == 0 and t.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    )
+
+
 def tensor_descriptor(t: torch.Tensor, block_shape: list[int]):
     """A host-side TMA descriptor (no device allocator needed, unlike tl.make_tensor_descriptor)."""
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -62,8 +62,10 @@ from ._triton_common import (
     tile_coords,
     tile_matmul,
     tma_descriptors,
+    tensor_descriptor,
     tma_config,
     tma_layout,
+    tma_store_ok,
     tma_tile,
 )
 
@@ -101,8 +103,16 @@ def _affine_store(
     HAS_W: tl.constexpr, HAS_NB: tl.constexpr, SAVE_NORMED: tl.constexpr,
 ):
     """y = hh * w + nb (fp32, rounded once to y's dtype); hh stored too when SAVE_NORMED."""
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    y = _affine(hh, w_ptr, nb_ptr, cols, N, stride_w, stride_nb, HAS_W, HAS_NB)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    _store_normed(hh, hh_ptr, rows, cols, M, N, stride_hm, SAVE_NORMED)
+
+
+@triton.jit
+def _affine(hh, w_ptr, nb_ptr, cols, N, stride_w, stride_nb, HAS_W: tl.constexpr, HAS_NB: tl.constexpr):
+    """hh * w + nb in fp32."""
     mask_n = cols < N
-    mask = (rows < M)[:, None] & mask_n[None, :]
     y = hh
     if HAS_W:
         w = tl.load(w_ptr + cols * stride_w, mask=mask_n, other=0.0)
@@ -110,8 +120,13 @@ def _affine_store(
     if HAS_NB:
         nb = tl.load(nb_ptr + cols * stride_nb, mask=mask_n, other=0.0)
         y = y + nb.to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    return y
+
+
+@triton.jit
+def _store_normed(hh, hh_ptr, rows, cols, M, N, stride_hm, SAVE_NORMED: tl.constexpr):
     if SAVE_NORMED:
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
         hh_ptrs = hh_ptr + rows[:, None] * stride_hm + cols[None, :]
         tl.store(hh_ptrs, hh.to(hh_ptr.dtype.element_ty), mask=mask)
 
@@ -155,6 +170,16 @@ def _full_row_epilogue(
     HAS_W: tl.constexpr, HAS_NB: tl.constexpr, IS_RMS: tl.constexpr, SAVE_NORMED: tl.constexpr,
 ):
     """Norm of whole rows held in registers (h is 0 outside [M, N]); writes y, hh, mean, rstd."""
+    hh = _full_row_norm(h, rows, cols, M, N, mean_ptr, rstd_ptr, eps, IS_RMS)
+    _affine_store(
+        hh, y_ptr, hh_ptr, w_ptr, nb_ptr, rows, cols, M, N, stride_ym, stride_hm, stride_w, stride_nb,
+        HAS_W, HAS_NB, SAVE_NORMED,
+    )
+
+
+@triton.jit
+def _full_row_norm(h, rows, cols, M, N, mean_ptr, rstd_ptr, eps, IS_RMS: tl.constexpr):
+    """hh of whole rows held in registers (h is 0 outside [M, N]); writes mean and rstd."""
     mask_m = rows < M
     # The whole row is in registers, so the exact two-pass variance costs no memory traffic.
     if IS_RMS:
@@ -168,28 +193,28 @@ def _full_row_epilogue(
         hh = d * rstd[:, None]
         tl.store(mean_ptr + rows, mean, mask=mask_m)
     tl.store(rstd_ptr + rows, rstd, mask=mask_m)
-    _affine_store(
-        hh, y_ptr, hh_ptr, w_ptr, nb_ptr, rows, cols, M, N, stride_ym, stride_hm, stride_w, stride_nb,
-        HAS_W, HAS_NB, SAVE_NORMED,
-    )
+    return hh
 
 
 @triton.jit
 def _mm_norm_fwd_tma_kernel(
     a_desc, w_desc, bias_ptr, res_ptr, w_ptr, nb_ptr,
-    y_ptr, hh_ptr, mean_ptr, rstd_ptr,
+    y_ptr, y_desc, hh_ptr, mean_ptr, rstd_ptr,
     M, N, K,
     stride_bias, stride_rm, stride_rn, stride_w, stride_nb, stride_ym, stride_hm,
     eps,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_NB: tl.constexpr,
     IS_RMS: tl.constexpr, SAVE_NORMED: tl.constexpr, GEMM_ONLY: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGS: tl.constexpr,
-    B_KN: tl.constexpr,
+    B_KN: tl.constexpr, Y_TMA: tl.constexpr,
 ):
     """Single tile on Hopper: the same math as ``_mm_norm_fwd_fused_kernel``, with A [M, K] and the weight
     W = b.T [N, K] fed by TMA (host-side descriptors; out-of-bounds rows/columns/K read as 0) and a
     persistent, flattened loop over row blocks, so the next block's loads overlap this block's epilogue.
     GEMM_ONLY stores h = a @ b as y and skips the norm (the benchmark's "GEMM base" measurement).
+    Y_TMA: y leaves through a TMA store (y_desc, box [BLOCK_M, BLOCK_N], clipped at M and N), which the
+    H200 probe measured 3-6% faster than pointer stores at N = 256 (docs/design.md); hh, only written with
+    an affine norm, keeps pointer stores (a second staging tile would not fit shared memory).
     """
     k_tiles = tl.cdiv(K, BLOCK_K)
     cols = tl.arange(0, BLOCK_N).to(tl.int64)
@@ -198,14 +223,15 @@ def _mm_norm_fwd_tma_kernel(
         rows = (rb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: row * stride must not overflow
         acc = _add_bias_residual(acc, bias_ptr, res_ptr, rows, cols, M, N, stride_bias, stride_rm, stride_rn,
                                  HAS_BIAS, HAS_RES)
-        if GEMM_ONLY:
+        if not GEMM_ONLY:
+            hh = _full_row_norm(acc, rows, cols, M, N, mean_ptr, rstd_ptr, eps, IS_RMS)
+            _store_normed(hh, hh_ptr, rows, cols, M, N, stride_hm, SAVE_NORMED)
+            acc = _affine(hh, w_ptr, nb_ptr, cols, N, stride_w, stride_nb, HAS_W, HAS_NB)
+        if Y_TMA:
+            y_desc.store([rb * BLOCK_M, 0], acc.to(y_desc.dtype))
+        else:
             mask = (rows < M)[:, None] & (cols < N)[None, :]
             tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
-        else:
-            _full_row_epilogue(
-                acc, rows, cols, M, N, w_ptr, nb_ptr, y_ptr, hh_ptr, mean_ptr, rstd_ptr,
-                stride_w, stride_nb, stride_ym, stride_hm, eps, HAS_W, HAS_NB, IS_RMS, SAVE_NORMED,
-            )
 
 
 @triton.jit
@@ -549,10 +575,14 @@ def mm_norm_triton(
         )
         bias_stride = bias.stride(0) if bias is not None else 0
         if config.kind == "row":
+            # Not with two programs per SM: the store's staging tile would push their shared memory past
+            # half an SM, and they only pay off by sharing one.
+            y_tma = config.progs_per_sm == 1 and tma_store_ok(y)
             _mm_norm_fwd_tma_kernel[(min(progs, triton.cdiv(m, bm)),)](
-                *descs, bias, residual, weight, norm_bias, y, hh, mean, rstd, m, n, k,
+                *descs, bias, residual, weight, norm_bias, y,
+                tensor_descriptor(y, [bm, bn]) if y_tma else None, hh, mean, rstd, m, n, k,
                 bias_stride, *res_strides, *w_strides, y.stride(0), hh_stride, float(eps),
-                NUM_PROGS=min(progs, triton.cdiv(m, bm)), **common,
+                NUM_PROGS=min(progs, triton.cdiv(m, bm)), Y_TMA=y_tma, **common,
             )
             return y, hh, mean, rstd
         n_tiles = triton.cdiv(n, bn)
