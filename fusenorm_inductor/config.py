@@ -32,6 +32,9 @@ class patterns:
 
     # linear -> [+ residual] -> norm: GEMM with the norm in its epilogue (forward).
     linear_norm_fwd: bool = Config(env_name_default="FUSENORM_LINEAR_NORM_FWD", default=True)
+    # norm -> linear(s): Lazy Pre-Norm, the norm applied inside each linear's GEMM (forward), the weight
+    # gradient from the norm's input and statistics (backward).
+    norm_linear_fwd: bool = Config(env_name_default="FUSENORM_NORM_LINEAR_FWD", default=True)
     # norm -> linear, backward: the linear's data-gradient GEMM with the norm backward in its epilogue.
     dgrad_norm_bwd: bool = Config(env_name_default="FUSENORM_DGRAD_NORM_BWD", default=True)
 

@@ -143,6 +143,34 @@ def tangent_dependent(graph: fx.Graph) -> set[Node]:
     return seen
 
 
+def stable_toposort(graph: fx.Graph) -> None:
+    """Reorder the nodes so that each follows its inputs, keeping the existing order wherever it already
+    does (a rewrite may give early nodes an input that it inserted later)."""
+    order: list[Node] = []
+    done: set[Node] = set()
+    for root in graph.nodes:
+        if root in done:
+            continue
+        stack = [(root, iter(root.all_input_nodes))]
+        active = {root}
+        while stack:
+            node, inputs = stack[-1]
+            nxt = next((i for i in inputs if i not in done), None)
+            if nxt is None:
+                stack.pop()
+                active.discard(node)
+                done.add(node)
+                order.append(node)
+            elif nxt in active:
+                raise RuntimeError(f"graph has a cycle through {nxt.name}")
+            else:
+                active.add(nxt)
+                stack.append((nxt, iter(nxt.all_input_nodes)))
+    for prev, node in zip(order, order[1:]):
+        if prev.next is not node:
+            prev.append(node)
+
+
 def users_outside(node: Node, allowed: Iterable[Node]) -> list[Node]:
     allowed = set(allowed)
     return [u for u in node.users if u not in allowed]

@@ -1,8 +1,8 @@
 """fusenorm's patterns, one named object each; ``run_stage`` applies those of a stage in order.
 
 pre_grad: canonical_layer_norm, canonical_rms_norm, canonical_llama_rms_norm (patterns/canonical_norms.py)
-joint:    linear_norm_fwd (post_norm.py), dgrad_norm_bwd (dgrad_norm_backward.py), then the decomposition
-          of canonical ops left unfused (decompose.py)
+joint:    linear_norm_fwd (post_norm.py), norm_linear_fwd (pre_norm.py), dgrad_norm_bwd
+          (dgrad_norm_backward.py), then the decomposition of canonical ops left unfused (decompose.py)
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from .canonical_norms import PRE_GRAD_PATTERNS
 from .decompose import DecomposeUnfused, decompose_all
 from .dgrad_norm_backward import DgradNormBwd
 from .post_norm import LinearNormFwd
+from .pre_norm import NormLinearFwd
 
 STAGES = {
     "pre_grad": PRE_GRAD_PATTERNS,
-    # Forward fusion first: it changes what the norm backward reads, which the backward fusion keeps.
-    "joint": (LinearNormFwd(), DgradNormBwd(), DecomposeUnfused()),
+    # Forward fusions first: they change what the norm backward reads, which the backward fusion keeps.
+    # Post-norm before pre-norm: a norm between two linears goes to the one before it when that fuses.
+    "joint": (LinearNormFwd(), NormLinearFwd(), DgradNormBwd(), DecomposeUnfused()),
 }
 
 PATTERN_NAMES = tuple(p.name for stage in STAGES.values() for p in stage if p.name != "decompose_unfused")

@@ -149,3 +149,29 @@ def assert_matches_eager(make_model: Callable[[], nn.Module], inputs: tuple, dty
 
 def fusenorm_counts() -> dict:
     return {k: v for k, v in counters["fusenorm"].items() if not k.startswith("canonical")}
+
+
+def saved_bytes(make_model: Callable[[], nn.Module], inputs: tuple, backend: str, device: str) -> int:
+    """Bytes the compiled forward saves for the backward (its outputs beyond the model's own; parameters
+    and inputs are not new memory)."""
+    import torch._inductor.config as inductor_config
+
+    graphs = []
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = make_model().to(device)
+    inputs = tuple(i.to(device) for i in inputs)
+    with inductor_config.patch(post_grad_custom_post_pass=graphs.append):
+        torch.compile(m, backend=backend)(*inputs).sum().backward()
+    fwd = next(g for g in graphs if not any(n.name.startswith("tangents") for n in g.find_nodes(op="placeholder")))
+    out = fwd.find_nodes(op="output")[0].args[0]
+    views = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+             torch.ops.aten.alias.default, torch.ops.aten.permute.default)
+
+    def base(node):  # a view shares its base's memory: count each buffer once, inputs' not at all
+        while node.op == "call_function" and node.target in views:
+            node = node.args[0]
+        return node
+
+    saved = {base(o) for o in out[1:]}
+    return sum(o.meta["val"].numel() * o.meta["val"].element_size() for o in saved if o.op != "placeholder")

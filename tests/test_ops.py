@@ -3,12 +3,11 @@ graph saves no more for the backward than the unfused one."""
 
 import pytest
 import torch
-import torch._inductor.config as inductor_config
 
 from fusenorm_inductor.ops import mm_norm, mm_norm_backward, mm_norm_backward_reference, norm
 from fusenorm_inductor.ops.norm import norm_reference
 
-from .models import PostNormBlock
+from .models import PostNormBlock, saved_bytes
 
 
 def _args(m=33, k=24, n=40, dtype=torch.float32, device="cpu"):
@@ -118,25 +117,8 @@ def test_canonical_norm_matches_torch_norms(device):
         dx.sum().backward()
 
 
-def _saved_bytes(backend: str, device: str) -> int:
-    """Bytes the compiled forward saves for the backward (its outputs beyond the model's own)."""
-    graphs = []
-
-    def record(graph):
-        graphs.append(graph)
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    m = PostNormBlock(32, 64, "nn.LayerNorm", residual="right").to(device)
-    x, r = torch.randn(4, 33, 32, device=device), torch.randn(4, 33, 64, device=device)
-    with inductor_config.patch(post_grad_custom_post_pass=record):
-        torch.compile(m, backend=backend)(x, r).sum().backward()
-    fwd = next(g for g in graphs if not any(n.name.startswith("tangents") for n in g.find_nodes(op="placeholder")))
-    out = fwd.find_nodes(op="output")[0].args[0]
-    saved = [o for o in out[1:] if o.op != "placeholder"]  # parameters and inputs are not new memory
-    return sum(o.meta["val"].numel() * o.meta["val"].element_size() for o in saved)
-
-
 def test_fused_saves_no_more_than_unfused(device):
-    unfused, fused = _saved_bytes("inductor", device), _saved_bytes("fusenorm", device)
+    make = lambda: PostNormBlock(32, 64, "nn.LayerNorm", residual="right")  # noqa: E731
+    inputs = (torch.randn(4, 33, 32), torch.randn(4, 33, 64))
+    unfused, fused = saved_bytes(make, inputs, "inductor", device), saved_bytes(make, inputs, "fusenorm", device)
     assert fused <= unfused, (fused, unfused)

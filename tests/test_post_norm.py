@@ -159,15 +159,22 @@ def test_dynamic_shapes_left_to_inductor(device):
 
 def test_pattern_switches(device):
     x = torch.randn(21, 32)
-    with config.patch({"patterns.linear_norm_fwd": False}):
+    off = {"patterns.linear_norm_fwd": False, "patterns.norm_linear_fwd": False}
+    with config.patch(off):
         assert_matches_eager(lambda: PostNormBlock(32, 40), (x,), torch.float32, device)
     # The backward regrouping does not need the forward fusion: it reads x with the saved statistics.
     assert fusenorm_counts() == {"dgrad_norm_bwd": 1}
     assert any("disabled by config" in r for r in skips("linear_norm_fwd"))
+    assert any("disabled by config" in r for r in skips("norm_linear_fwd"))
+    torch._dynamo.reset()
+    # The norm between the two linears that post-norm leaves is offered to the next linear (pre-norm).
+    with config.patch({"patterns.linear_norm_fwd": False}):
+        assert_matches_eager(lambda: PostNormBlock(32, 40), (x,), torch.float32, device)
+    assert fusenorm_counts() == {"dgrad_norm_bwd": 2, "norm_linear_fwd": 1}
     torch._dynamo.reset()
     with config.patch(canonicalize_norms=False):
         assert_matches_eager(lambda: PostNormBlock(32, 40), (x,), torch.float32, device)
-    assert fusenorm_counts() == {"dgrad_norm_bwd": 1}  # counts accumulate over the test; nothing new
+    assert fusenorm_counts() == {"dgrad_norm_bwd": 2, "norm_linear_fwd": 1}  # counts accumulate; nothing new
 
 
 def test_stack_each_norm_fused_once(device):

@@ -2,7 +2,9 @@
 
 - ``norm`` / ``norm_backward``: the canonical LayerNorm/RMSNorm every norm form is rewritten to (norm.py);
 - ``mm_norm``: GEMM with the norm in its epilogue, the post-norm forward (mm_norm.py);
-- ``mm_norm_backward``: data-gradient GEMM with the norm backward in its epilogue (mm_norm_backward.py).
+- ``mm_norm_backward``: data-gradient GEMM with the norm backward in its epilogue (mm_norm_backward.py);
+- ``norm_mm`` / ``mm_normed``: the pre-norm forward (norm -> linear, the norm applied lazily in the GEMM)
+  and the linear's weight gradient with the normalized input rebuilt from the row statistics (norm_mm.py).
 Each module holds the op's reference (its CPU implementation and the tests' oracle); the Triton kernels
 and launchers are in ``*_kernels.py`` and are imported only when a CUDA tensor reaches the op.
 """
@@ -10,6 +12,7 @@ and launchers are in ``*_kernels.py`` and are imported only when a CUDA tensor r
 from .mm_norm import mm_norm, mm_norm_reference
 from .mm_norm_backward import mm_norm_backward, mm_norm_backward_reference
 from .norm import norm, norm_backward, norm_backward_reference, norm_reference
+from .norm_mm import mm_normed, mm_normed_reference, norm_mm, norm_mm_reference
 
 __all__ = [
     "norm",
@@ -20,4 +23,8 @@ __all__ = [
     "mm_norm_reference",
     "mm_norm_backward",
     "mm_norm_backward_reference",
+    "norm_mm",
+    "norm_mm_reference",
+    "mm_normed",
+    "mm_normed_reference",
 ]

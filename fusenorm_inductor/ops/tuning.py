@@ -77,7 +77,8 @@ def clear_memory() -> None:
 def _sources_hash() -> str:
     here = Path(__file__).parent
     h = hashlib.sha256()
-    for name in ("_triton_common.py", "mm_norm_kernels.py", "mm_norm_backward_kernels.py", "tuning.py"):
+    kernels = ("_triton_common.py", "mm_norm_kernels.py", "mm_norm_backward_kernels.py", "norm_mm_kernels.py")
+    for name in (*kernels, "tuning.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:16]
 
@@ -338,7 +339,8 @@ def _default_label(t: Tensor) -> str:
     return f"{t.device.type} reference" if t.device.type != "cuda" else "the kernels' first candidate"
 
 
-def _choice(key, device, measure: Callable[[], dict], default_label: Callable[[], str]) -> Choice:
+def _choice(key, device, measure: Callable[[], dict], default_label: Callable[[], str],
+            what: str = "cuBLAS GEMM + norm at copy speed") -> Choice:
     if not _can_measure(device):
         why = "not measured on CPU" if device.type != "cuda" else "not measured (config.tuning.measure off)"
         return Choice(True, default_label(), f"fused ({why})")
@@ -350,7 +352,7 @@ def _choice(key, device, measure: Callable[[], dict], default_label: Callable[[]
     label = _config_of(entry).label()
     fuse = t_f < t_u * (1.0 - config.tuning.margin)
     verdict = "fused" if fuse else "left unfused: fusion would not win"
-    reason = f"{verdict} (measured {t_f:.4g} ms fused [{label}] vs {t_u:.4g} ms cuBLAS GEMM + norm at copy speed)"
+    reason = f"{verdict} (measured {t_f:.4g} ms fused [{label}] vs {t_u:.4g} ms {what})"
     return Choice(fuse, label, reason, t_f, t_u)
 
 
@@ -409,3 +411,58 @@ def backward_choice(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed
         _measure_backward, dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype
     )
     return _choice(key, dy.device, measure, lambda: _default_label(dy))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pre-norm forward: fusenorm::norm_mm (Lazy Pre-Norm)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _prenorm_key(a, b, bias, weight, norm_bias, is_rms, out_dtype) -> tuple:
+    return (
+        "norm_mm", a.device, _spec(a), _spec(b), _spec(bias), _spec(weight), _spec(norm_bias),
+        bool(is_rms), str(out_dtype or a.dtype),
+    )
+
+
+def _measure_prenorm(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype) -> dict:
+    from .norm_mm_kernels import norm_mm_triton, prenorm_candidates
+
+    dev = a.device
+    with _RealInputs():
+        ra = _RealInputs.like(a, dev)
+        rb = _RealInputs.like(b, dev, scale=a.shape[1] ** -0.5)
+        rbias, rw, rnb = (_RealInputs.like(t, dev) for t in (bias, weight, norm_bias))
+        times = {}
+        for cand in prenorm_candidates(ra, rb, out_dtype or ra.dtype):
+            times[cand] = _time_ms(
+                lambda c=cand: norm_mm_triton(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype, config=c)
+            )
+        best = min(times, key=times.get)
+        t_mm = _time_ms((lambda: torch.addmm(rbias, ra, rb)) if rbias is not None else (lambda: torch.mm(ra, rb)))
+    return _entry(best, times, t_mm + prenorm_norm_ms(a))
+
+
+def prenorm_norm_ms(a: Tensor) -> float:
+    """The unfused pre-norm's time: Inductor's norm reads x and writes y, [M, K] each, at copy speed."""
+    return _norm_proxy_ms(a.shape[0], a.shape[1], a.dtype, 2, a.device)
+
+
+def prenorm_config(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype):
+    """The GemmConfig the pre-norm launcher runs for these (real) arguments (see _tuned_config)."""
+    from .norm_mm_kernels import prenorm_candidates
+
+    return _tuned_config(
+        _prenorm_key(a, b, bias, weight, norm_bias, is_rms, out_dtype),
+        a.device,
+        lambda: prenorm_candidates(a, b, out_dtype or a.dtype),
+        lambda: _measure_prenorm(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype),
+    )
+
+
+def prenorm_choice(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype) -> Choice:
+    """Whether ``norm_mm`` beats the norm + cuBLAS GEMM on this shape (one consumer's view: with fan-out
+    the pattern compares the consumers' sum against one norm + their GEMMs), and with which configuration."""
+    key = _prenorm_key(a, b, bias, weight, norm_bias, is_rms, out_dtype)
+    measure = functools.partial(_measure_prenorm, a, b, bias, weight, norm_bias, eps, is_rms, out_dtype)
+    return _choice(key, a.device, measure, lambda: _default_label(b), what="norm at copy speed + cuBLAS GEMM")

@@ -1,0 +1,196 @@
+"""Pre-norm ("Lazy Pre-Norm"): ``c = norm(a) @ b + bias`` without writing ``norm(a)``.
+
+Used by the pattern ``norm_linear_fwd`` (patterns/pre_norm.py) for ``norm -> linear``. Two ops:
+
+- ``fusenorm::norm_mm(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype)`` -> (c, mean, rstd): the
+  forward. The norm's affine folds into the GEMM (b' = diag(weight) b, bias' = bias + norm_bias b); the K loop
+  that loads A for the GEMM also accumulates each row's statistics, and the epilogue applies them:
+      RMSNorm:   c = rstd * (a @ b') + bias'
+      LayerNorm: c = rstd * (a @ b' - mean * colsum(b')) + bias'        (a rank-1 correction)
+  so ``norm(a)`` is never written (kernels: norm_mm_kernels.py).
+- ``fusenorm::mm_normed(x, a, mean, rstd, weight, norm_bias, is_rms)`` -> ``x @ norm(a)``: the linear's
+  weight gradient ``dc^T @ y`` with y rebuilt from a and the saved row statistics, so the backward needs
+  a, mean and rstd (which the norm's own backward reads anyway) and never a saved y.
+
+Outputs: c [M, N] in ``out_dtype`` (default a's dtype); mean [M] fp32 (0-size for RMSNorm); rstd [M] fp32.
+Reads top-down: reference (the CPU implementation and the tests' oracle) -> custom ops (fake, autograd).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._validate import check_eps, check_tensor
+from .norm import norm_backward, norm_reference
+
+__all__ = ["norm_mm", "norm_mm_reference", "mm_normed", "mm_normed_reference", "normed"]
+
+_OP = "fusenorm::norm_mm"
+_OP_W = "fusenorm::mm_normed"
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check(a, b, bias, weight, norm_bias, eps) -> None:
+    check_tensor(_OP, "a", a, ndim=2, dtypes=FLOATS)
+    m, k = a.shape
+    if k == 0:
+        raise ValueError(f"{_OP}: a is {tuple(a.shape)}: the norm needs at least one column")
+    check_tensor(_OP, "b", b, ndim=2, device=a.device, dtypes=(a.dtype,))
+    if b.shape[0] != k:
+        raise ValueError(f"{_OP}: a is {tuple(a.shape)} but b is {tuple(b.shape)}: inner dims differ")
+    check_tensor(_OP, "bias", bias, shape=(b.shape[1],), device=a.device, dtypes=(a.dtype,), required=False)
+    check_tensor(_OP, "weight", weight, shape=(k,), device=a.device, required=False)
+    check_tensor(_OP, "norm_bias", norm_bias, shape=(k,), device=a.device, required=False)
+    check_eps(_OP, eps)
+
+
+def _check_normed(x, a, mean, rstd, weight, norm_bias, is_rms) -> None:
+    check_tensor(_OP_W, "a", a, ndim=2, dtypes=FLOATS)
+    m, k = a.shape
+    check_tensor(_OP_W, "x", x, ndim=2, device=a.device, dtypes=FLOATS)
+    if x.shape[1] != m:
+        raise ValueError(f"{_OP_W}: x is {tuple(x.shape)} but a is {tuple(a.shape)}: x must be [P, M]")
+    if not is_rms:
+        check_tensor(_OP_W, "mean", mean, shape=(m,), device=a.device, dtypes=(torch.float32,))
+    check_tensor(_OP_W, "rstd", rstd, shape=(m,), device=a.device, dtypes=(torch.float32,))
+    check_tensor(_OP_W, "weight", weight, shape=(k,), device=a.device, required=False)
+    check_tensor(_OP_W, "norm_bias", norm_bias, shape=(k,), device=a.device, required=False)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference (CPU implementation and the tests' oracle): fp32 norm, fp32 GEMM.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def norm_mm_reference(
+    a: Tensor,
+    b: Tensor,
+    bias: Optional[Tensor],
+    weight: Optional[Tensor],
+    norm_bias: Optional[Tensor],
+    eps: float,
+    is_rms: bool,
+    out_dtype: Optional[torch.dtype] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    y, mean, rstd = norm_reference(a, weight, norm_bias, eps, is_rms, torch.float32)
+    c = y @ b.float()
+    if bias is not None:
+        c = c + bias.float()
+    return c.to(out_dtype or a.dtype), mean, rstd
+
+
+def normed(a: Tensor, mean: Optional[Tensor], rstd: Tensor, weight: Optional[Tensor],
+           norm_bias: Optional[Tensor], is_rms: bool) -> Tensor:
+    """y = norm(a) * weight + norm_bias in fp32, from the saved row statistics."""
+    y = a.float() if is_rms else a.float() - mean.unsqueeze(-1)
+    y = y * rstd.unsqueeze(-1)
+    if weight is not None:
+        y = y * weight.float()
+    if norm_bias is not None:
+        y = y + norm_bias.float()
+    return y
+
+
+def mm_normed_reference(x: Tensor, a: Tensor, mean: Optional[Tensor], rstd: Tensor, weight: Optional[Tensor],
+                        norm_bias: Optional[Tensor], is_rms: bool) -> Tensor:
+    return (x.float() @ normed(a, mean, rstd, weight, norm_bias, is_rms)).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Custom ops
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(_OP, mutates_args=())
+def norm_mm(
+    a: Tensor,
+    b: Tensor,
+    bias: Optional[Tensor],
+    weight: Optional[Tensor],
+    norm_bias: Optional[Tensor],
+    eps: float,
+    is_rms: bool,
+    out_dtype: Optional[torch.dtype] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``norm(a) @ b + bias`` with the norm over a's last dim; see the module docstring."""
+    _check(a, b, bias, weight, norm_bias, eps)
+    return norm_mm_reference(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype)
+
+
+@norm_mm.register_kernel("cuda")
+def _(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype=None):
+    _check(a, b, bias, weight, norm_bias, eps)
+    from .norm_mm_kernels import norm_mm_triton
+
+    return norm_mm_triton(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype)
+
+
+@norm_mm.register_fake
+def _(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype=None):
+    _check(a, b, bias, weight, norm_bias, eps)
+    m, n = a.shape[0], b.shape[1]
+    return (
+        a.new_empty((m, n), dtype=out_dtype or a.dtype),
+        a.new_empty((0,) if is_rms else (m,), dtype=torch.float32),
+        a.new_empty((m,), dtype=torch.float32),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, bias, weight, norm_bias, eps, is_rms, out_dtype = inputs
+    _, mean, rstd = output
+    # a and the statistics, never norm(a): mm_normed rebuilds it for b's gradient.
+    ctx.save_for_backward(a, b, weight, norm_bias, mean if not is_rms else None, rstd)
+    ctx.is_rms = is_rms
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, dc, _dmean, _drstd):
+    a, b, weight, norm_bias, mean, rstd = ctx.saved_tensors
+    dy = dc.to(b.dtype) @ b.t()
+    da, dw, dnb = norm_backward(
+        dy, a, weight, mean, rstd, ctx.is_rms, False, norm_bias is not None, a.dtype
+    )
+    db_ = mm_normed(dc.to(a.dtype).t(), a, mean, rstd, weight, norm_bias, ctx.is_rms).t() \
+        if ctx.needs_input_grad[1] else None
+    dbias = dc.float().sum(0).to(b.dtype) if ctx.has_bias else None
+    dw = dw.to(weight.dtype) if weight is not None else None
+    dnb = dnb.to(norm_bias.dtype) if norm_bias is not None else None
+    return da, db_, dbias, dw, dnb, None, None, None
+
+
+norm_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op(_OP_W, mutates_args=())
+def mm_normed(
+    x: Tensor,
+    a: Tensor,
+    mean: Optional[Tensor],
+    rstd: Tensor,
+    weight: Optional[Tensor],
+    norm_bias: Optional[Tensor],
+    is_rms: bool,
+) -> Tensor:
+    """``x @ (norm(a) * weight + norm_bias)`` in x's dtype, norm(a) rebuilt from a, mean and rstd."""
+    _check_normed(x, a, mean, rstd, weight, norm_bias, is_rms)
+    return mm_normed_reference(x, a, mean, rstd, weight, norm_bias, is_rms)
+
+
+@mm_normed.register_kernel("cuda")
+def _(x, a, mean, rstd, weight, norm_bias, is_rms):
+    _check_normed(x, a, mean, rstd, weight, norm_bias, is_rms)
+    # y is rebuilt in a's dtype, the dtype the unfused graph saved it in, as a transient of this backward
+    # op (never saved across the step), then cuBLAS. A kernel that normalizes A tiles on their way into
+    # the MMA would save that round trip (issue 4, not yet).
+    y = normed(a, mean, rstd, weight, norm_bias, is_rms).to(a.dtype)
+    return (x.to(a.dtype) @ y).to(x.dtype)
+
+
+@mm_normed.register_fake
+def _(x, a, mean, rstd, weight, norm_bias, is_rms):
+    _check_normed(x, a, mean, rstd, weight, norm_bias, is_rms)
+    return x.new_empty((x.shape[0], a.shape[1]))

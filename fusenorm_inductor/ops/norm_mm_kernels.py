@@ -1,0 +1,402 @@
+"""Triton kernels and launcher for ``fusenorm::norm_mm`` ("Lazy Pre-Norm"): ``c = norm(a) @ b + bias``.
+
+Semantics are those of ``norm_mm_reference`` (norm_mm.py): the norm runs over a's K columns in fp32, its affine
+(weight, norm_bias) applies before the GEMM, the GEMM accumulates in fp32, c is rounded once to ``out_dtype``;
+mean (fp32 [M], 0-size for RMSNorm) and rstd (fp32 [M]) are returned for the backward.
+
+The norm is never applied to A. Row scaling commutes with the matmul, and the affine folds into B
+(algorithms.md section 2), so on the host (``fold_norm_affine``):
+    b'     = weight[:, None] * b            rounded once to a's dtype (the tensor cores' operand type)
+    bias'  = bias + norm_bias @ b           fp32 [N]
+    colsum = sum_k b'[k, :]                 fp32 [N], from the *rounded* b', so the rank-1 correction below
+                                            subtracts exactly what the GEMM added
+and each [BLOCK_M, BLOCK_N] tile of c is one GEMM tile acc = a @ b' (fp32) plus an epilogue:
+    RMSNorm:   c = rstd * acc + bias'
+    LayerNorm: c = rstd * (acc - mean * colsum) + bias'
+The row statistics come from the A tiles the K loop loads for the GEMM anyway (CUDA-core reductions beside
+the MMA). Every N tile of a row block recomputes its rows' statistics: a few FMAs per loaded A element,
+cheaper than exchanging them; the tiles with pid_n == 0 store mean and rstd.
+
+Statistics (fp32):
+- RMSNorm: rstd = rsqrt(sum_k a^2 / K + eps).
+- LayerNorm, one pass with a per-row shift: p = a[row, 0] (a sample of the row), s1 = sum_k (a - p),
+  s2 = sum_k (a - p)^2, mean = p + s1 / K, var = max(s2 / K - (s1 / K)^2, 0). A plain one-pass
+  E[a^2] - E[a]^2 cancels catastrophically when |mean| >> std (rows of 1000 + N(0, 1): E[a^2] ~ 1e6, whose
+  fp32 rounding alone is ~0.06 of var = 1); shifted by a sample of the row, s2 / K ~ var + (p - mean)^2 stays
+  of the order of var. Zero-padded K columns would add (0 - p) to s1, so they are masked out.
+
+Numerics of c (besides the final rounding): b' carries one rounding of w * b to a's dtype (the unfused graph
+instead rounds y = norm(a) * w before its GEMM: the same order of error, u * sum_k |y_k b'_k|); fp16/bf16
+products are exact in fp32. LayerNorm's rank-1 correction cancels: acc and mean * colsum are both
+~|mean| * |colsum|, so their fp32 rounding errors (~u32 * |mean| * sum_k |b'_k| * sqrt(K)) reach c multiplied
+by rstd. That is harmless while |mean| * rstd is moderate (|mean| / std = 1000: ~1e-4 of |c|), but for rows
+nearly constant around a large mean (std << sqrt(eps)) rstd -> rsqrt(eps) amplifies it, where the unfused
+norm would give exactly 0 before its GEMM. fp32 operands with TF32 allowed (``dot_input_precision``): the MMA
+rounds a and b' to TF32 (u = 2^-11) while mean and colsum are exact fp32, so the correction leaves
+~u * |mean| * rstd * sum_k |b'_k| behind: like the unfused TF32 GEMM of y when |mean| <~ std, |mean| / std
+times worse beyond. (16-bit operands are exact in the MMA; only fp32 accumulation rounds.)
+
+Two kernels behind ``norm_mm_triton``; ``prenorm_candidates`` lists the configurations (``GemmConfig``):
+- kind "tma" (Hopper, 16-bit, ``tma_layout`` not None: A row-major, b' = W.T of a row-major weight or a
+  row-major [K, N], 16-byte aligned rows): ``_norm_mm_fwd_tma_kernel``, a persistent TMA-fed kernel (host-side
+  descriptors; out-of-bounds boxes read as 0) with one flattened loop over (row block, N tile) tiles, N tiles
+  of a row block adjacent (they share A in L2). 128 x 128 or 128 x 256 tiles, BLOCK_K 64, 8 warps, 3 stages
+  (``tma_config`` drops stages, then rows, to fit shared memory next to the c staging tile: an fp32 c gets
+  64 x 256); c leaves through a TMA store when its row pitch allows (``tma_store_ok``), else, or when the
+  compiler reports the staging tile does not fit (OutOfResources, remembered), through pointer stores.
+- kind "ptr": ``_norm_mm_fwd_kernel``, masked pointer loads, any strides and dtypes (fp32 too), one program
+  per tile. It runs in the CPU interpreter; the TMA kernel does too when ``_triton_common._FORCE_TMA``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.errors import OutOfResources
+
+from ._triton_common import (
+    TMA_MAX_BLOCK_N,
+    GemmConfig,
+    dot_input_precision,
+    gemm_num_warps,
+    num_sms,
+    pow2_at_least,
+    tensor_descriptor,
+    tma_config,
+    tma_descriptors,
+    tma_layout,
+    tma_store_ok,
+)
+
+__all__ = ["fold_norm_affine", "norm_mm_triton", "prenorm_candidates"]
+
+# TMA-kernel specializations (config, c dtype, flags) whose TMA-store staging tile did not fit shared memory.
+_NO_TMA_STORE: set = set()
+
+TMA_BLOCK_M = 128
+TMA_BLOCK_K = 64
+TMA_WARPS = 8
+TMA_STAGES = 3
+PTR_BLOCK_N = 128  # widest N tile of the pointer kernel (a 128 x 128 fp32 accumulator at 8 warps)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_pivot(a_ptr, rows, M, stride_am, IS_RMS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """LayerNorm's per-row shift p = a[row, 0] in fp32 (0 for rows past M); RMSNorm needs none (0)."""
+    if IS_RMS:
+        pivot = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    else:
+        pivot = tl.load(a_ptr + rows * stride_am, mask=rows < M, other=0.0).to(tl.float32)
+    return pivot
+
+
+@triton.jit
+def _accumulate_row_stats(a, pivot, k_ok, s1, s2, IS_RMS: tl.constexpr):
+    """Adds one [BLOCK_M, BLOCK_K] A tile (0 outside the matrix) to the row sums: RMSNorm s2 += sum(a^2);
+    LayerNorm s1 += sum(a - p), s2 += sum((a - p)^2) over the valid columns (k_ok) only."""
+    x = a.to(tl.float32)
+    if IS_RMS:
+        s2 += tl.sum(x * x, axis=1)
+    else:
+        # A padded column reads 0, but 0 - p is not 0: mask it.
+        d = tl.where(k_ok[None, :], x - pivot[:, None], 0.0)
+        s1 += tl.sum(d, axis=1)
+        s2 += tl.sum(d * d, axis=1)
+    return s1, s2
+
+
+@triton.jit
+def _row_stats(s1, s2, pivot, K, eps, IS_RMS: tl.constexpr):
+    """(mean, rstd) from the row sums; for RMSNorm mean is a placeholder (rstd), never stored."""
+    if IS_RMS:
+        rstd = tl.rsqrt(s2 / K + eps)
+        mean = rstd
+    else:
+        shift = s1 / K  # mean - p, of the order of the row's spread
+        mean = pivot + shift
+        # Rounding can push the difference a hair below 0 for (nearly) constant rows.
+        var = tl.maximum(s2 / K - shift * shift, 0.0)
+        rstd = tl.rsqrt(var + eps)
+    return mean, rstd
+
+
+@triton.jit
+def _norm_epilogue(
+    acc, s1, s2, pivot, rows, cols, M, N, K, colsum_ptr, bias_ptr, mean_ptr, rstd_ptr, stride_bias, eps,
+    store_stats, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
+):
+    """c = rstd * acc (RMSNorm) or rstd * (acc - mean * colsum) (LayerNorm), + bias', in fp32; stores the
+    rows' mean and rstd when ``store_stats`` (the row block's first N tile)."""
+    mean, rstd = _row_stats(s1, s2, pivot, K, eps, IS_RMS)
+    mask_n = cols < N
+    if IS_RMS:
+        c = acc * rstd[:, None]
+    else:
+        colsum = tl.load(colsum_ptr + cols, mask=mask_n, other=0.0)
+        c = (acc - mean[:, None] * colsum[None, :]) * rstd[:, None]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols * stride_bias, mask=mask_n, other=0.0)
+        c += bias.to(tl.float32)[None, :]
+    stat_mask = (rows < M) & store_stats
+    if not IS_RMS:
+        tl.store(mean_ptr + rows, mean, mask=stat_mask)
+    tl.store(rstd_ptr + rows, rstd, mask=stat_mask)
+    return c
+
+
+@triton.jit
+def _norm_mm_fwd_kernel(
+    a_ptr, b_ptr, colsum_ptr, bias_ptr, c_ptr, mean_ptr, rstd_ptr,
+    M, N, K, n_tiles_n,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_bias, stride_cm,
+    eps,
+    HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """Tile (pid_m, pid_n) of c = norm(a) @ b (module docstring) with masked pointer loads, any strides.
+
+    Grid: cdiv(M, BLOCK_M) * n_tiles_n programs, the N tiles of a row block adjacent. b is b' (the affine
+    folded in); masked loads give 0 past M, N and K, so padded rows/columns of acc stay 0.
+    """
+    pid = tl.program_id(0)
+    pid_m = pid // n_tiles_n
+    pid_n = pid % n_tiles_n
+    # int64 indices: row * stride and k * stride must not overflow int32.
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    mask_m = rows < M
+    mask_n = cols < N
+    a_rows = a_ptr + rows[:, None] * stride_am
+    b_cols = b_ptr + cols[None, :] * stride_bn
+    pivot = _row_pivot(a_ptr, rows, M, stride_am, IS_RMS, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < K
+        a = tl.load(a_rows + ks[None, :] * stride_ak, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_cols + ks[:, None] * stride_bk, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        s1, s2 = _accumulate_row_stats(a, pivot, k_ok, s1, s2, IS_RMS)
+    c = _norm_epilogue(
+        acc, s1, s2, pivot, rows, cols, M, N, K, colsum_ptr, bias_ptr, mean_ptr, rstd_ptr, stride_bias, eps,
+        pid_n == 0, HAS_BIAS, IS_RMS,
+    )
+    mask = mask_m[:, None] & mask_n[None, :]
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], c.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_mm_fwd_tma_kernel(
+    a_desc, b_desc, a_ptr, colsum_ptr, bias_ptr, c_ptr, c_desc, mean_ptr, rstd_ptr,
+    M, N, K,
+    stride_am, stride_bias, stride_cm,
+    eps,
+    HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGS: tl.constexpr,
+    B_KN: tl.constexpr, C_TMA: tl.constexpr,
+):
+    """The same tiles as ``_norm_mm_fwd_kernel`` on Hopper: A and b' fed by TMA (host-side descriptors; b'
+    read from a [K, N] descriptor when B_KN, else from the [N, K] descriptor of its transpose), NUM_PROGS
+    persistent programs walking the tiles in a flattened loop (the next tile's loads overlap this one's
+    epilogue). The A tile each step loads feeds both the MMA and the row statistics. C_TMA: c leaves through
+    a TMA store (box [BLOCK_M, BLOCK_N], clipped at M and N), else masked pointer stores.
+    """
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    for t in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * n_tiles_n, NUM_PROGS, flatten=True):
+        pid_n = t % n_tiles_n
+        off_m = (t // n_tiles_n) * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        rows = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: row * stride must not overflow
+        cols = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+        pivot = _row_pivot(a_ptr, rows, M, stride_am, IS_RMS, BLOCK_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([off_m, ki * BLOCK_K])
+            if B_KN:
+                b = b_desc.load([ki * BLOCK_K, off_n])
+            else:
+                b = b_desc.load([off_n, ki * BLOCK_K]).T
+            acc = tl.dot(a, b, acc)
+            s1, s2 = _accumulate_row_stats(a, pivot, (ki * BLOCK_K + offs_k) < K, s1, s2, IS_RMS)
+        c = _norm_epilogue(
+            acc, s1, s2, pivot, rows, cols, M, N, K, colsum_ptr, bias_ptr, mean_ptr, rstd_ptr, stride_bias,
+            eps, pid_n == 0, HAS_BIAS, IS_RMS,
+        )
+        if C_TMA:
+            c_desc.store([off_m, off_n], c.to(c_desc.dtype))
+        else:
+            mask = (rows < M)[:, None] & (cols < N)[None, :]
+            tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], c.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _alloc(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Every output the launcher writes comes from here (tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def fold_norm_affine(
+    b: Tensor,
+    bias: Optional[Tensor],
+    weight: Optional[Tensor],
+    norm_bias: Optional[Tensor],
+    operand_dtype: torch.dtype,
+    is_rms: bool,
+) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """(b', bias', colsum) of the module docstring.
+
+    b' = weight[:, None] * b computed in fp32 and rounded once to ``operand_dtype``, with b's strides (a
+    transposed weight stays one, so the TMA layout is unchanged); b itself without a weight. bias' (fp32) is
+    None without bias and norm_bias, ``bias`` as given without norm_bias. colsum (fp32, LayerNorm only) sums
+    the rounded b' so the rank-1 correction matches the GEMM operand exactly.
+    """
+    if weight is not None:
+        b_fold = torch.empty_like(b, dtype=operand_dtype)  # preserve_format: b's strides when b is dense
+        torch.mul(b, weight.float()[:, None], out=b_fold)
+    else:
+        b_fold = b
+    bias_fold = bias
+    if norm_bias is not None:
+        # mv, not matmul: a matrix-vector product, which cuBLAS never runs in TF32.
+        bias_fold = torch.mv(b.float().t(), norm_bias.float())
+        if bias is not None:
+            bias_fold += bias.float()
+    colsum = None if is_rms else b_fold.sum(0, dtype=torch.float32)
+    return b_fold, bias_fold, colsum
+
+
+def _pointer_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemmConfig:
+    """The pointer kernel's tile: N tiles up to 128 wide, 128 rows (64 when 128-row tiles would leave SMs
+    idle, or for short inputs), BLOCK_K 64 (32 for fp32, whose operands take twice the shared memory)."""
+    bn = min(PTR_BLOCK_N, pow2_at_least(n))
+    bm = 128 if triton.cdiv(m, 128) * triton.cdiv(n, bn) >= num_sms(device) else 64
+    bm = min(bm, pow2_at_least(m))
+    bk = min(32 if dtype == torch.float32 else 64, pow2_at_least(k))
+    return GemmConfig("ptr", bm, bn, bk, 3, gemm_num_warps(bm, bn))
+
+
+def _tma_block_ns(m: int, n: int, device: torch.device) -> list[int]:
+    """N tiles of the TMA kernel, best guess first: 256 (the widest TMA box and wgmma N) unless it pads N
+    more than 128 does, or its tiles would not fill the SMs once; then 128."""
+    if n <= 128:
+        return [128]
+    row_blocks = triton.cdiv(m, TMA_BLOCK_M)
+    narrow_first = (
+        triton.cdiv(n, 128) * 128 < triton.cdiv(n, TMA_MAX_BLOCK_N) * TMA_MAX_BLOCK_N
+        or row_blocks * triton.cdiv(n, TMA_MAX_BLOCK_N) < num_sms(device)
+    )
+    return [128, TMA_MAX_BLOCK_N] if narrow_first else [TMA_MAX_BLOCK_N, 128]
+
+
+def prenorm_candidates(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> list[GemmConfig]:
+    """The configurations worth timing for ``norm_mm_triton(a, b, ...)``, best guess first (``tuning``
+    times them on CUDA; without tuning the first one runs). b may be b or b' (same layout)."""
+    m, k = a.shape
+    n = b.shape[1]
+    if n == 0 or tma_layout(a, b) is None:
+        return [_pointer_config(m, n, k, a.dtype, a.device)]
+    bk = min(TMA_BLOCK_K, pow2_at_least(k))
+    out_bytes = out_dtype.itemsize
+    return [
+        tma_config("tma", TMA_BLOCK_M, bn, bk, TMA_STAGES, TMA_WARPS, out_bytes)
+        for bn in _tma_block_ns(m, n, a.device)
+    ]
+
+
+def norm_mm_triton(
+    a: Tensor,
+    b: Tensor,
+    bias: Optional[Tensor],
+    weight: Optional[Tensor],
+    norm_bias: Optional[Tensor],
+    eps: float,
+    is_rms: bool,
+    out_dtype: Optional[torch.dtype] = None,
+    config: Optional[GemmConfig] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(c, mean, rstd) of ``norm_mm_reference``; inputs already checked by the op.
+
+    ``config``: one of ``prenorm_candidates``; None asks ``tuning.prenorm_config`` (measured and cached on
+    CUDA, else the first candidate).
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    if k == 0:
+        raise ValueError("norm_mm_triton: K == 0 (a norm over no columns) is not supported")
+    dev = a.device
+    out_dtype = out_dtype or a.dtype
+    f32 = torch.float32
+    c = _alloc((m, n), out_dtype, dev)
+    mean = _alloc((0,) if is_rms else (m,), f32, dev)
+    rstd = _alloc((m,), f32, dev)
+    if m == 0:
+        return c, mean, rstd
+    b_fold, bias_fold, colsum = fold_norm_affine(b, bias, weight, norm_bias, a.dtype, is_rms)
+    if config is None:
+        from .tuning import prenorm_config
+
+        config = prenorm_config(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype)
+    bias_stride = bias_fold.stride(0) if bias_fold is not None else 0
+    flags = dict(HAS_BIAS=bias_fold is not None, IS_RMS=is_rms)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    layout = tma_layout(a, b_fold) if config.kind == "tma" and n > 0 else None
+    if config.kind == "tma" and layout is not None:
+        descs = tma_descriptors(a, b_fold, layout, bm, bn, bk)
+        grid = min(num_sms(dev) * config.progs_per_sm, triton.cdiv(m, bm) * triton.cdiv(n, bn))
+        common = dict(
+            **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_PROGS=grid, B_KN=layout == "kn",
+            num_warps=config.warps, num_stages=config.stages,
+        )
+
+        def launch(c_tma: bool):
+            _norm_mm_fwd_tma_kernel[(grid,)](
+                *descs, a, colsum, bias_fold, c, tensor_descriptor(c, [bm, bn]) if c_tma else None, mean, rstd,
+                m, n, k, a.stride(0), bias_stride, c.stride(0), float(eps), C_TMA=c_tma, **common,
+            )
+
+        # Whether the store's staging tile fits next to the pipeline is the compiler's call: it says so,
+        # before anything runs, with OutOfResources (remembered per specialization).
+        key = (config, c.dtype, tuple(sorted(common.items())))
+        if tma_store_ok(c) and key not in _NO_TMA_STORE:
+            try:
+                launch(True)
+                return c, mean, rstd
+            except OutOfResources:
+                _NO_TMA_STORE.add(key)
+        launch(False)
+        return c, mean, rstd
+    if config.kind != "ptr":
+        # A TMA config for operands TMA cannot read (or N == 0): the pointer kernel's own tile instead.
+        config = _pointer_config(m, n, k, a.dtype, dev)
+        bm, bn, bk = config.block_m, config.block_n, config.block_k
+    # N == 0 still launches one N tile per row block: mean and rstd must be written.
+    n_tiles_n = max(1, triton.cdiv(n, bn))
+    _norm_mm_fwd_kernel[(triton.cdiv(m, bm) * n_tiles_n,)](
+        a, b_fold, colsum, bias_fold, c, mean, rstd,
+        m, n, k, n_tiles_n,
+        a.stride(0), a.stride(1), b_fold.stride(0), b_fold.stride(1), bias_stride, c.stride(0),
+        float(eps),
+        **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INPUT_PRECISION=dot_input_precision(a.dtype, dev),
+        num_warps=config.warps, num_stages=config.stages,
+    )
+    return c, mean, rstd

@@ -1,0 +1,196 @@
+"""``norm_linear_fwd``: norm -> linear(s) becomes Lazy Pre-Norm GEMMs; the normalized tensor is never written.
+
+Joint graph (ATen, forward + backward, before partitioning). Matches a canonical ``fusenorm::norm`` whose
+output feeds only linears (``mm``/``addmm`` with the normalized tensor as the left operand, possibly through
+a view that flattens the batch dims of a 3-D input) and those linears' weight gradients (``mm(X, y)`` with y
+as the right operand). Several linears may read the same norm (q/k/v, gate/up: fan-out).
+
+Rewrite, per consumer linear: ``fusenorm::norm_mm(x, b, bias, weight, norm_bias)`` (ops/norm_mm.py: the row
+statistics come from the A tiles the GEMM loads, the affine folds into b); each weight gradient
+``mm(X, y)`` becomes ``fusenorm::mm_normed(X, x, mean, rstd, weight, norm_bias)``, which rebuilds y from x and
+the statistics. The norm's own backward already reads x, mean and rstd, so the partitioner keeps x and the
+statistics and never y: the fused path saves less than the unfused one (y is gone). With fan-out, each
+consumer recomputes the statistics in its own K loop (they ride on loads the GEMM makes anyway); the first
+consumer's mean/rstd feed the backward.
+
+Post-norm (``linear_norm_fwd``) runs first: a norm between two linears that it fused is not seen here; a
+norm it left unfused (with its reason in the match report) is offered to this pattern.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.fx as fx
+from torch.fx import Node
+
+from fusenorm_inductor import config, fx_utils
+from fusenorm_inductor.fx_utils import val
+from fusenorm_inductor.ops.tuning import Choice, prenorm_choice, prenorm_norm_ms
+from fusenorm_inductor.report import GraphReport
+
+from .base import Pattern, Reject, bind_op_args, getitem_users, is_op, require
+from .post_norm import FLOATS, VIEWS, norm_backward_partners
+
+aten = torch.ops.aten
+NORM = torch.ops.fusenorm.norm.default
+NORM_MM = torch.ops.fusenorm.norm_mm.default
+MM_NORMED = torch.ops.fusenorm.mm_normed.default
+
+
+@dataclass
+class Consumer:
+    gemm: Node  # mm(y2, b) or addmm(bias, y2, b)
+    b: Node
+    bias: Optional[Node]
+    choice: Choice
+
+
+@dataclass
+class PreNormMatch:
+    norm: Node
+    args: dict[str, Any]
+    ys: list[Node]  # getitem(norm, 0) nodes
+    flat: list[Node]  # the [M, K] views of y (or y itself when 2-D) that the linears read
+    consumers: list[Consumer] = field(default_factory=list)
+    wgrads: list[Node] = field(default_factory=list)  # mm(X, y2): the linears' weight gradients
+
+
+class NormLinearFwd(Pattern):
+    name = "norm_linear_fwd"
+    stage = "joint"
+    switch = "patterns.norm_linear_fwd"
+
+    def candidates(self, graph: fx.Graph) -> Iterable[Node]:
+        return [n for n in graph.nodes if is_op(n, NORM)]
+
+    # ---- guards ----------------------------------------------------------------------------------------
+    def match(self, norm: Node) -> PreNormMatch:
+        args = bind_op_args(norm)
+        x = args["x"]
+        xv = val(x)
+        require(fx_utils.is_static(xv, val(norm)[0]), "dynamic shapes: left to Inductor")
+        ys = getitem_users(norm).get(0, [])
+        require(ys, "norm output unused")
+        out_dtype = args["out_dtype"] or xv.dtype
+        require(xv.dtype in FLOATS, f"norm input dtype {xv.dtype} not supported")
+        require(out_dtype == xv.dtype,
+                f"norm changes dtype ({xv.dtype} -> {out_dtype}) before the linear: not fused")
+        require(xv.device.type in ("cpu", "cuda"), f"device {xv.device} not supported")
+        k = xv.shape[-1]
+        m = xv.numel() // k if k else 0
+        require(k > 0 and m > 0, "empty norm input")
+        match = PreNormMatch(norm, args, ys, [])
+        for y in ys:
+            for u in list(y.users):
+                if is_op(u, *VIEWS) and tuple(val(u).shape) == (m, k):
+                    match.flat.append(u)
+                elif val(y).dim() == 2 and is_op(u, aten.mm.default, aten.addmm.default):
+                    if y not in match.flat:
+                        match.flat.append(y)
+                else:
+                    raise Reject(f"norm output has a user that is not a linear ({self.describe(u)})")
+        for v in match.flat:
+            for u in v.users:
+                self.classify(u, v, match)
+        require(match.consumers, "norm output feeds no linear")
+        bwd = norm_backward_partners(norm)
+        require(bwd or not fx_utils.tangent_dependent(norm.graph),
+                "the norm's backward was not found (its statistics feed something else)")
+        self.check_speed(args, x, match.consumers, m, k)
+        return match
+
+    def classify(self, u: Node, v: Node, match: PreNormMatch) -> None:
+        """A user of the flattened normalized tensor: a linear reading it as A, or a weight gradient."""
+        if is_op(u, aten.mm.default) and u.args[0] is v and u.args[1] is not v:
+            b, bias = u.args[1], None
+        elif is_op(u, aten.addmm.default) and u.args[1] is v and u.args[2] is not v:
+            require(u.kwargs.get("beta", 1) == 1 and u.kwargs.get("alpha", 1) == 1, "addmm with beta/alpha != 1")
+            bias, b = u.args[0], u.args[2]
+            require(isinstance(bias, Node) and val(bias).dim() == 1, "addmm bias is not a 1-D vector")
+        elif is_op(u, aten.mm.default) and u.args[1] is v and u.args[0] is not v:
+            match.wgrads.append(u)
+            return
+        else:
+            raise Reject(f"normalized tensor {v.name} has a user that is not a linear ({self.describe(u)})")
+        bv, xv = val(b), val(match.args["x"])
+        require(bv.dtype == xv.dtype, f"linear weight dtype {bv.dtype} differs from the norm's {xv.dtype}")
+        require(bv.dim() == 2, "linear weight is not 2-D")
+        match.consumers.append(Consumer(u, b, bias, None))
+
+    def check_speed(self, args, x: Node, consumers: list[Consumer], m: int, k: int) -> None:
+        """Fused only where it was measured to win (always on CPU). With fan-out the unfused graph runs the
+        norm once for all its linears, so the fused GEMMs' sum is weighed against one norm + their GEMMs."""
+        xv = val(x)
+        a2 = fx_utils.flat_like(xv, m, k)
+        for c in consumers:
+            c.choice = prenorm_choice(a2, val(c.b), val(c.bias), val(args["weight"]), val(args["bias"]),
+                                      args["eps"], args["is_rms"], xv.dtype)
+        if len(consumers) == 1 or any(c.choice.t_fused_ms is None for c in consumers):
+            for c in consumers:
+                require(c.choice.fuse, f"{c.gemm.name}: {c.choice.reason}")
+            return
+        t_norm = prenorm_norm_ms(a2)
+        t_fused = sum(c.choice.t_fused_ms for c in consumers)
+        t_unfused = sum(c.choice.t_unfused_ms - t_norm for c in consumers) + t_norm
+        require(t_fused < t_unfused * (1.0 - config.tuning.margin),
+                f"left unfused: {len(consumers)} fused GEMMs measured {t_fused:.4g} ms vs {t_unfused:.4g} ms for "
+                "one norm at copy speed + their cuBLAS GEMMs")
+
+    def describe(self, node: Any) -> str:
+        if isinstance(node, Node):
+            return f"{node.op} {getattr(node.target, '__name__', node.target)}"
+        return repr(node)
+
+    # ---- rewrite ---------------------------------------------------------------------------------------
+    def rewrite(self, graph: fx.Graph, m: PreNormMatch, rep: GraphReport) -> None:
+        args, norm = m.args, m.norm
+        x, xv = args["x"], val(args["x"])
+        k = xv.shape[-1]
+        rows = xv.numel() // k
+        w, nb, is_rms = args["weight"], args["bias"], args["is_rms"]
+        stats = None
+        for c in m.consumers:
+            with graph.inserting_before(c.gemm):
+                a2 = fx_utils.reshape(graph, x, [rows, k])
+                fused = fx_utils.call(graph, NORM_MM, a2, c.b, c.bias, w, nb, args["eps"], is_rms, xv.dtype)
+                out, mean1, rstd1 = fx_utils.getitems(graph, fused, 3)
+            c.gemm.replace_all_uses_with(out)
+            graph.erase_node(c.gemm)
+            if stats is None:
+                stats = (a2, mean1, rstd1)
+        a2, mean1, rstd1 = stats
+        for g in m.wgrads:
+            with graph.inserting_before(g):
+                new = fx_utils.call(graph, MM_NORMED, g.args[0], a2, None if is_rms else mean1, rstd1, w, nb, is_rms)
+            g.replace_all_uses_with(new)
+            graph.erase_node(g)
+        # The norm's mean/rstd outputs (read by its backward) now come from the first fused GEMM, which sits
+        # later in the graph than the norm did: re-sort so every node follows its inputs.
+        stats_shape = list(xv.shape[:-1])
+        with graph.inserting_after(rstd1):
+            rstd = fx_utils.reshape(graph, rstd1, stats_shape)
+            mean = mean1 if is_rms else fx_utils.reshape(graph, mean1, stats_shape)
+        outs = getitem_users(norm)
+        for idx, new in ((1, mean), (2, rstd)):
+            for g in outs.get(idx, []):
+                g.replace_all_uses_with(new)
+                graph.erase_node(g)
+        fx_utils.erase_if_unused(graph, [v for v in m.flat if v not in m.ys] + m.ys)
+        if norm.users:  # an error, not a Reject: the pass restores the graph it was given
+            raise RuntimeError(f"{self.name}: {norm.name} still has users after the rewrite")
+        graph.erase_node(norm)
+        fx_utils.stable_toposort(graph)
+        names = [norm.name] + [c.gemm.name for c in m.consumers]
+        kernels = "; ".join(f"N={val(c.b).shape[1]} [{c.choice.config}]: {c.choice.reason}" for c in m.consumers)
+        affine = w is not None or nb is not None
+        rep.rewrite(
+            self.name, self.stage, names,
+            {"M": rows, "K": k, "N": [val(c.b).shape[1] for c in m.consumers], "x": list(xv.shape)}, xv.dtype,
+            f"Lazy Pre-Norm GEMM x{len(m.consumers)}: {kernels}",
+            f"{'RMSNorm' if is_rms else 'LayerNorm'}, affine={'yes' if affine else 'no'}, "
+            f"consumers={len(m.consumers)}, weight gradients rebuilt from stats={len(m.wgrads)}, "
+            "saves x + mean/rstd, never the normalized tensor",
+        )
