@@ -460,3 +460,27 @@ def test_cuda_fp32_pointer_kernel(monkeypatch, is_rms, k, n):
     record_kernels(monkeypatch, tma=False)
     args = make_args(M_CUDA, k, n, F32, is_rms, device="cuda")
     check(args, nk.norm_mm_triton(*args), oracle_dtype=torch.float64)
+
+
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
+def test_normed_kernel(is_rms, affine):
+    """mm_normed's rebuilt operand: y = norm(a) * w + nb from saved statistics, one rounding to a's dtype;
+    odd sizes, a transposed (non-contiguous) a, NaN-poisoned output (the autouse fixture)."""
+    dev = "cuda" if CUDA else "cpu"
+    m, k = 67, 300
+    a = (3.0 + torch.randn(k, m)).t().to(dev, F16)  # column-major: strides (1, m)
+    af = a.double()
+    mean = None if is_rms else af.mean(1).float()
+    rstd = torch.rsqrt((af.pow(2).mean(1) if is_rms else af.var(1, unbiased=False)) + 1e-5).float()
+    w = (1 + 0.3 * torch.randn(k)).to(dev) if affine else None
+    nb = torch.randn(k).to(dev) if affine and not is_rms else None
+    y = nk.normed_triton(a, mean, rstd, w, nb, is_rms)
+    want = af if is_rms else af - mean.double()[:, None]
+    want = want * rstd.double()[:, None]
+    if w is not None:
+        want = want * w.double()
+    if nb is not None:
+        want = want + nb.double()
+    assert y.dtype == F16 and torch.isfinite(y).all()
+    torch.testing.assert_close(y.double(), want, atol=2e-3, rtol=2e-3)

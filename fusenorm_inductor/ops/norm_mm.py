@@ -186,7 +186,9 @@ def _(x, a, mean, rstd, weight, norm_bias, is_rms):
     # y is rebuilt in a's dtype, the dtype the unfused graph saved it in, as a transient of this backward
     # op (never saved across the step), then cuBLAS. A kernel that normalizes A tiles on their way into
     # the MMA would save that round trip (issue 4, not yet).
-    y = normed(a, mean, rstd, weight, norm_bias, is_rms).to(a.dtype)
+    from .norm_mm_kernels import normed_triton
+
+    y = normed_triton(a, mean, rstd, weight, norm_bias, is_rms)
     return (x.to(a.dtype) @ y).to(x.dtype)
 
 

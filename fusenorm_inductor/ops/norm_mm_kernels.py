@@ -72,7 +72,7 @@ from ._triton_common import (
     tma_store_ok,
 )
 
-__all__ = ["fold_norm_affine", "norm_mm_triton", "prenorm_candidates"]
+__all__ = ["fold_norm_affine", "norm_mm_triton", "normed_triton", "prenorm_candidates"]
 
 # TMA-kernel specializations (config, c dtype, flags) whose TMA-store staging tile did not fit shared memory.
 _NO_TMA_STORE: set = set()
@@ -245,6 +245,30 @@ def _norm_mm_fwd_tma_kernel(
             tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], c.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _normed_kernel(
+    a_ptr, mean_ptr, rstd_ptr, w_ptr, nb_ptr, y_ptr, M, K, stride_am, stride_ak, stride_ym,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_NB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """y = norm(a) * w + nb from the saved row statistics, fp32 math, rounded once to y's dtype
+    (``fusenorm::mm_normed``'s rebuilt operand: one read of a, one write of y, no fp32 temporaries)."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_m, mask_k = rows < M, cols < K
+    mask = mask_m[:, None] & mask_k[None, :]
+    a = tl.load(a_ptr + rows[:, None] * stride_am + cols[None, :] * stride_ak, mask=mask, other=0.0)
+    y = a.to(tl.float32)
+    if not IS_RMS:
+        y -= tl.load(mean_ptr + rows, mask=mask_m, other=0.0)[:, None]
+    y *= tl.load(rstd_ptr + rows, mask=mask_m, other=0.0)[:, None]
+    if HAS_W:
+        y *= tl.load(w_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+    if HAS_NB:
+        y += tl.load(nb_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------
@@ -292,7 +316,10 @@ def _pointer_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.de
     bm = 128 if triton.cdiv(m, 128) * triton.cdiv(n, bn) >= num_sms(device) else 64
     bm = min(bm, pow2_at_least(m))
     bk = min(32 if dtype == torch.float32 else 64, pow2_at_least(k))
-    return GemmConfig("ptr", bm, bn, bk, 3, gemm_num_warps(bm, bn))
+    # One stage: with 2-3 the pipelined kernel gave wrong tiles on the H200 under Triton 3.6 (errors ~1
+    # against bf16's 0.03, K = 64-256) where the loaded A tile feeds both the MMA and the row sums;
+    # single-buffered it is right (scratch probe, 2026-11-29). This is the fallback path (non-TMA layouts).
+    return GemmConfig("ptr", bm, bn, bk, 1, gemm_num_warps(bm, bn))
 
 
 def _tma_block_ns(m: int, n: int, device: torch.device) -> list[int]:
@@ -400,3 +427,19 @@ def norm_mm_triton(
         num_warps=config.warps, num_stages=config.stages,
     )
     return c, mean, rstd
+
+
+def normed_triton(a: Tensor, mean: Optional[Tensor], rstd: Tensor, weight: Optional[Tensor],
+                  norm_bias: Optional[Tensor], is_rms: bool) -> Tensor:
+    """y = norm(a) * weight + norm_bias in a's dtype, rebuilt from mean/rstd (``_normed_kernel``)."""
+    m, k = a.shape
+    y = _alloc((m, k), a.dtype, a.device)
+    if m == 0 or k == 0:
+        return y
+    bm, bk = 32, min(256, pow2_at_least(k))
+    _normed_kernel[(triton.cdiv(m, bm), triton.cdiv(k, bk))](
+        a, mean, rstd, weight, norm_bias, y, m, k, a.stride(0), a.stride(1), y.stride(0),
+        IS_RMS=is_rms, HAS_W=weight is not None, HAS_NB=norm_bias is not None, BLOCK_M=bm, BLOCK_K=bk,
+        num_warps=4,
+    )
+    return y
