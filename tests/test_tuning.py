@@ -117,3 +117,73 @@ def test_compile_measures_and_reports(recwarn):
         entries += [s.reason for s in rep.skips if s.pattern in ("linear_norm_fwd", "dgrad_norm_bwd")]
     assert len(entries) >= 2 and all("measured" in e for e in entries), entries
     assert not [w for w in recwarn if "fusenorm" in str(w.message)], [str(w.message) for w in recwarn]
+
+
+def test_prenorm_measurement_plumbing(monkeypatch):
+    """The pre-norm dispatch's measuring path, run on CPU with the timer replaced: every candidate and the
+    GEMM are run once, the entry is cached, the verdict follows the margin."""
+    runs = []
+
+    def fake_time(fn):
+        fn()
+        runs.append(fn)
+        return 1.0
+
+    monkeypatch.setattr(tuning, "_can_measure", lambda device: True)
+    monkeypatch.setattr(tuning, "_time_ms", fake_time)
+    monkeypatch.setattr(tuning, "_norm_proxy_ms", lambda *a: 0.5)  # unfused = 1.0 + 0.5
+    a, w = torch.randn(65, 40, dtype=torch.float16), torch.randn(24, 40, dtype=torch.float16)
+    args = (a, w.t(), None, torch.ones(40), None, 1e-5, False, torch.float16)
+    choice = tuning.prenorm_choice(*args)
+    assert len(runs) >= 2 and choice.fuse and "measured 1 ms fused" in choice.reason, choice
+    monkeypatch.setattr(tuning, "_measure_prenorm", lambda *a, **k: pytest.fail("measured twice"))
+    assert tuning.prenorm_choice(*args) == choice
+    with config.patch({"tuning.margin": 0.5}):  # 1.0 is not below 1.5 * 0.5
+        tuning.clear_memory()
+        assert not tuning.prenorm_choice(*args).fuse
+
+
+@pytest.mark.parametrize("fan_out, fused", [(1, True), (3, False)])
+def test_prenorm_fan_out_weighs_the_sum(monkeypatch, fan_out, fused):
+    """Each consumer alone wins (1.0 ms vs 1.5 ms unfused, of which the norm is 1.0), but three fused GEMMs
+    (3.0 ms) lose to one norm + three GEMMs (2.5 ms): the pattern compares the sums."""
+    from fusenorm_inductor.patterns import pre_norm
+
+    from .test_pre_norm import PreNormBlock
+
+    monkeypatch.setattr(pre_norm, "prenorm_choice",
+                        lambda *a, **k: tuning.Choice(True, "fake", "fused (measured)", 1.0, 1.5))
+    monkeypatch.setattr(pre_norm, "prenorm_norm_ms", lambda a: 1.0)
+    model = PreNormBlock(32, 24, "nn.LayerNorm", fan_out=fan_out)
+    x = torch.randn(33, 32)
+    torch.testing.assert_close(torch.compile(model, backend="fusenorm")(x), model(x), atol=1e-4, rtol=1e-4)
+    from torch._dynamo.utils import counters
+
+    assert ("norm_linear_fwd" in counters["fusenorm"]) == fused
+    if not fused:
+        import fusenorm_inductor
+
+        reasons = [s.reason for s in fusenorm_inductor.last_report().skips if s.pattern == "norm_linear_fwd"]
+        assert any("3 fused GEMMs measured" in r for r in reasons), reasons
+
+
+@cuda
+def test_compile_measures_prenorm(recwarn):
+    """norm -> linear on CUDA with measuring on: the pre-norm pattern measures at compile time and fuses or
+    leaves the match unfused with the measured times in the report; no warning (no pass fell back)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA kernels need sm_90+")
+    import fusenorm_inductor
+
+    model = torch.nn.Sequential(torch.nn.RMSNorm(256), torch.nn.Linear(256, 256)).to("cuda", torch.bfloat16)
+    x = torch.randn(65536, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with config.patch({"tuning.measure": True}):
+        out = torch.compile(model, backend="fusenorm", dynamic=False)(x)
+        out.float().square().mean().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    entries = []
+    for rep in fusenorm_inductor.reports():
+        entries += [r.kernel for r in rep.rewrites if r.pattern == "norm_linear_fwd"]
+        entries += [s.reason for s in rep.skips if s.pattern == "norm_linear_fwd"]
+    assert entries and all("measured" in e for e in entries), entries
+    assert not [w for w in recwarn if "fusenorm" in str(w.message)], [str(w.message) for w in recwarn]
