@@ -401,11 +401,17 @@ def _time_copy(bench: Bench, device: str, numel: int) -> float:
 def dispatch(p: Point, op_args: tuple) -> dict:
     """fusenorm's fuse-or-not decision for the shape (ops.tuning), asked before t_fused is timed since it
     may autotune and cache. "n/a" when the module or the function does not exist (yet)."""
+    return ask_choice("forward_choice" if p.dir == "fwd" else "backward_choice", op_args)
+
+
+def ask_choice(name: str, op_args: tuple) -> dict:
+    """``ops.tuning.<name>(*op_args)`` (a function returning a ``Choice``) as row fields; "n/a" when the
+    module or the function does not exist (yet), the error recorded when it raises."""
     try:
         from fusenorm_inductor.ops import tuning
     except Exception as e:  # noqa: BLE001 (a module being written may not import yet)
         return {"path": "n/a", "fuse": None, "dispatch_error": f"import: {type(e).__name__}: {e}"}
-    choose = getattr(tuning, "forward_choice" if p.dir == "fwd" else "backward_choice", None)
+    choose = getattr(tuning, name, None)
     if choose is None:
         return {"path": "n/a", "fuse": None}
     t0 = time.time()
@@ -519,7 +525,6 @@ def derive(r: dict, ceilings: dict) -> dict:
     flops, nbytes = 2 * m * p.K * p.N, fused_bytes(p, m)
     # What users get: without a dispatch (path n/a) fusenorm always fuses a matched pattern.
     t_fn = t_unf if r.get("fuse") is False else t_fus
-    floor = max(flops / (ceilings["matmul_tflops"] * 1e9), nbytes / (ceilings["copy_gbps"] * 1e6))
     if isinstance(r.get("t_base_ms"), (int, float)):
         r["base_over_mm"] = r["t_base_ms"] / t_mm
     r.update({
@@ -528,14 +533,17 @@ def derive(r: dict, ceilings: dict) -> dict:
         "hidden_fusenorm": (t_unf - t_fn) / t_norm,
         "fused_over_mm": t_fus / t_mm,
         "norm_share": t_norm / t_unf,
-        "flops": flops,
-        "bytes": nbytes,
-        "tflops": flops / t_fus / 1e9,
-        "gbps": nbytes / t_fus / 1e6,
-        "floor_ms": floor,
-        "floor_frac": floor / t_fus,
+        **throughput(flops, nbytes, t_fus, ceilings),
     })
     return r
+
+
+def throughput(flops: int, nbytes: int, t_ms: float, ceilings: dict) -> dict:
+    """flops, bytes, TFLOP/s and GB/s of a run of t_ms, and its floor = max(flops / matmul peak, bytes / copy
+    bandwidth) with floor_frac = floor / t_ms."""
+    floor = max(flops / (ceilings["matmul_tflops"] * 1e9), nbytes / (ceilings["copy_gbps"] * 1e6))
+    return {"flops": flops, "bytes": nbytes, "tflops": flops / t_ms / 1e9, "gbps": nbytes / t_ms / 1e6,
+            "floor_ms": floor, "floor_frac": floor / t_ms}
 
 
 def summarize(rows: list[dict], min_share: float) -> list[dict]:
@@ -639,18 +647,51 @@ def png_path(json_path: str) -> str:
     return os.path.splitext(json_path)[0] + ".png"
 
 
-def plot(data: dict, path: str, min_share: float) -> None:
-    """Heat maps of % hidden over K (rows) x N (columns): one panel per (norm, direction), a figure row per
-    affine off/on. "u": fusenorm's dispatch runs this shape unfused; hatched: norm < min_share of t_unfused."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (and a note) where matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        import numpy as np
-        from matplotlib.patches import Rectangle
     except ImportError:
         print("note: matplotlib is not installed: no PNG (install it, then rerun with --plot-only JSON)")
+        return None
+    return plt
+
+
+def hidden_panel(ax, cells: dict, ks: list, ns: list, min_share: float, cmap):
+    """One heat map of % hidden over K (rows) x N (columns): cells {(K, N): row} with "hidden", "fuse" and
+    "norm_share" (``complete`` rows); "u" marks fuse False, hatching norm_share < min_share. Returns the image."""
+    import numpy as np
+    from matplotlib.patches import Rectangle
+
+    vals = np.full((len(ks), len(ns)), np.nan)
+    for (k, n), r in cells.items():
+        if complete(r):
+            vals[ks.index(k), ns.index(n)] = 100 * r["hidden"]
+    im = ax.imshow(np.clip(vals, -100, 100), cmap=cmap, vmin=-100, vmax=100, aspect="auto")
+    for (k, n), r in cells.items():
+        y, x = ks.index(k), ns.index(n)
+        if not complete(r):
+            ax.text(x, y, "err", ha="center", va="center", fontsize=7)
+            continue
+        v = round(100 * r["hidden"]) + 0  # + 0: no "-0"
+        label = f"{v}" + ("u" if r.get("fuse") is False else "")
+        ax.text(x, y, label, ha="center", va="center", fontsize=7, color="white" if abs(v) > 60 else "black")
+        if r["norm_share"] < min_share:
+            ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, facecolor="white", alpha=0.55,
+                                   hatch="///", edgecolor="grey", linewidth=0))
+    ax.set_xticks(range(len(ns)), [str(n) for n in ns], fontsize=7)
+    ax.set_yticks(range(len(ks)), [str(k) for k in ks], fontsize=7)
+    return im
+
+
+def plot(data: dict, path: str, min_share: float) -> None:
+    """Heat maps of % hidden over K (rows) x N (columns): one panel per (norm, direction), a figure row per
+    affine off/on. "u": fusenorm's dispatch runs this shape unfused; hatched: norm < min_share of t_unfused."""
+    plt = pyplot()
+    if plt is None:
         return
     rows = data["rows"]
     combos = [(nm, d) for nm in ("layer", "rms") for d in ("fwd", "bwd")
@@ -668,25 +709,8 @@ def plot(data: dict, path: str, min_share: float) -> None:
     for i, aff in enumerate(affines):
         for j, (nm, d) in enumerate(combos):
             ax = axes[i][j]
-            vals = np.full((len(ks), len(ns)), np.nan)
             cells = {(r["K"], r["N"]): r for r in rows if r["norm"] == nm and r["dir"] == d and r["affine"] == aff}
-            for (k, n), r in cells.items():
-                if complete(r):
-                    vals[ks.index(k), ns.index(n)] = 100 * r["hidden"]
-            im = ax.imshow(np.clip(vals, -100, 100), cmap=cmap, vmin=-100, vmax=100, aspect="auto")
-            for (k, n), r in cells.items():
-                y, x = ks.index(k), ns.index(n)
-                if not complete(r):
-                    ax.text(x, y, "err", ha="center", va="center", fontsize=7)
-                    continue
-                v = round(100 * r["hidden"]) + 0  # + 0: no "-0"
-                label = f"{v}" + ("u" if r.get("fuse") is False else "")
-                ax.text(x, y, label, ha="center", va="center", fontsize=7, color="white" if abs(v) > 60 else "black")
-                if r["norm_share"] < min_share:
-                    ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, facecolor="white", alpha=0.55,
-                                           hatch="///", edgecolor="grey", linewidth=0))
-            ax.set_xticks(range(len(ns)), [str(n) for n in ns], fontsize=7)
-            ax.set_yticks(range(len(ks)), [str(k) for k in ks], fontsize=7)
+            im = hidden_panel(ax, cells, ks, ns, min_share, cmap)
             if i == len(affines) - 1:
                 ax.set_xlabel("N", fontsize=8)
             if j == 0:
@@ -719,8 +743,10 @@ def report(data: dict, json_path: str, min_share: float, write: bool = True, tab
     plot(data, png_path(json_path), min_share)
 
 
-def merge(paths: list[str]) -> dict:
-    """Rows of partial runs concatenated (a point measured twice: the later file wins), meta from the first."""
+def merge(paths: list[str], key: Callable[[dict], tuple] | None = None) -> dict:
+    """Rows of partial runs concatenated (a point, ``key(row)``, default ``point_key``, measured twice: the
+    later file wins), meta from the first."""
+    key = key or point_key
     datas = []
     for path in paths:
         with open(path) as f:
@@ -729,9 +755,9 @@ def merge(paths: list[str]) -> dict:
     dups = 0
     for data in datas:
         for r in data["rows"]:
-            key = point_key(r)
-            dups += key in rows
-            rows[key] = r
+            k = key(r)
+            dups += k in rows
+            rows[k] = r
     if dups:
         print(f"note: {dups} points are in several files; the last file's rows were kept")
     meta = dict(datas[0]["meta"])
@@ -770,15 +796,17 @@ def grid_argv(args) -> list[str]:
     return argv + (["--resume", "--out", args.out] if args.resume else [])
 
 
-def precompile(args, n_jobs: int, cache_dir: str) -> None:
-    """Compile the grid's Inductor functions in parallel subprocesses (--compile-only) into cache_dir."""
+def precompile(args, n_jobs: int, cache_dir: str, script: str | None = None, argv: list[str] | None = None) -> None:
+    """Compile the grid's Inductor functions in parallel subprocesses (--compile-only) into cache_dir: the
+    workers run ``script`` (default: this file) with ``argv`` (default: ``grid_argv(args)``)."""
     n_workers = min(args.precompile_workers, n_jobs)
     if n_workers <= 0:
         return
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
     # Each worker's Inductor would otherwise start a compile pool of one process per core.
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // n_workers)))
-    cmd = [sys.executable, os.path.abspath(__file__), *grid_argv(args), "--compile-only"]
+    argv = grid_argv(args) if argv is None else argv
+    cmd = [sys.executable, os.path.abspath(script or __file__), *argv, "--compile-only"]
     logs = [os.path.join(cache_dir, f"worker{i}.log") for i in range(n_workers)]
     t0 = time.time()
     with contextlib.ExitStack() as stack:
