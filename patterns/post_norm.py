@@ -195,6 +195,7 @@ class LinearNormFwd(Pattern):
             mean = mean1 if args["is_rms"] else fx_utils.reshape(graph, mean1, stats_shape)
             normed = fx_utils.reshape(graph, hh2, xv.shape) if save_normed else y
         outs = getitem_users(norm)
+        feeds_linear = any(_feeds_linear(g) for g in outs.get(0, []))
         for idx, new in ((0, y), (1, mean), (2, rstd)):
             for g in outs.get(idx, []):
                 g.replace_all_uses_with(new)
@@ -212,5 +213,16 @@ class LinearNormFwd(Pattern):
             f"{describe_mm_norm(val(m.a), nv, args['is_rms'])} [{m.choice.config}]: {m.choice.reason}",
             f"{'RMSNorm' if args['is_rms'] else 'LayerNorm'}, affine={'yes' if affine else 'no'}, "
             f"bias={'yes' if m.bias is not None else 'no'}, residual={'yes' if m.residual is not None else 'no'}, "
-            f"saves {'hh' if save_normed else ('y' if m.backward else 'nothing')} for backward",
+            f"saves {'hh' if save_normed else ('y' if m.backward else 'nothing')} for backward"
+            f"{'; its output feeds a linear: taken here before pre-norm (norm_linear_fwd)' if feeds_linear else ''}",
         )
+
+
+def _feeds_linear(y: Node) -> bool:
+    """Whether the norm output (directly or through a view) is a linear's input: the pre-norm pattern's
+    candidate, which this one takes first (the report says so)."""
+    for u in y.users:
+        inner = list(u.users) if is_op(u, *VIEWS) else [u]
+        if any(is_op(g, aten.mm.default, aten.addmm.default) for g in inner):
+            return True
+    return False

@@ -186,11 +186,14 @@ class NormLinearFwd(Pattern):
         names = [norm.name] + [c.gemm.name for c in m.consumers]
         kernels = "; ".join(f"N={val(c.b).shape[1]} [{c.choice.config}]: {c.choice.reason}" for c in m.consumers)
         affine = w is not None or nb is not None
+        # Which neighbour took the norm, and why not the other: post-norm looked first (its skip, if any).
+        post = [sk.reason for sk in rep.skips if sk.pattern == "linear_norm_fwd" and sk.node == norm.name]
+        taken = f"; post-norm left it: {post[-1]}" if post else ""
         rep.rewrite(
             self.name, self.stage, names,
             {"M": rows, "K": k, "N": [val(c.b).shape[1] for c in m.consumers], "x": list(xv.shape)}, xv.dtype,
             f"Lazy Pre-Norm GEMM x{len(m.consumers)}: {kernels}",
             f"{'RMSNorm' if is_rms else 'LayerNorm'}, affine={'yes' if affine else 'no'}, "
             f"consumers={len(m.consumers)}, weight gradients rebuilt from stats={len(m.wgrads)}, "
-            "saves x + mean/rstd, never the normalized tensor",
+            f"saves x + mean/rstd, never the normalized tensor{taken}",
         )
