@@ -79,6 +79,13 @@ def bind_op_args(node: Node) -> dict[str, Any]:
     return out
 
 
+def describe(node: Any) -> str:
+    """A node as the match report names it: its kind and target ("call_function mm", "placeholder x")."""
+    if isinstance(node, Node):
+        return f"{node.op} {getattr(node.target, '__name__', node.target)}"
+    return repr(node)
+
+
 def is_op(node: Any, *targets) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 

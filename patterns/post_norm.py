@@ -27,7 +27,7 @@ from fusenorm_inductor.ops.kernel_choice import describe_mm_norm
 from fusenorm_inductor.ops.tuning import Choice, forward_choice
 from fusenorm_inductor.report import GraphReport
 
-from .base import Pattern, Reject, bind_op_args, getitem_users, is_op, require
+from .base import Pattern, Reject, bind_op_args, describe, getitem_users, is_op, require
 
 aten = torch.ops.aten
 NORM = torch.ops.fusenorm.norm.default
@@ -97,7 +97,7 @@ class LinearNormFwd(Pattern):
             chain.append(cur)
         gemm = cur
         require(is_op(gemm, aten.mm.default, aten.addmm.default),
-                f"norm input is not a linear's output (comes from {self.describe(gemm)})")
+                f"norm input is not a linear's output (comes from {describe(gemm)})")
         chain = chain[:-1] if chain[-1] is gemm else chain
         self.check_only_feeds_norm(norm, gemm, chain, backward)
         a, b, bias = self.gemm_operands(gemm)
@@ -133,11 +133,6 @@ class LinearNormFwd(Pattern):
             if is_op(inner, aten.mm.default, aten.addmm.default) and isinstance(add.args[other], Node):
                 return s, add.args[other]
         raise Reject("norm input is an add with no linear output on either side")
-
-    def describe(self, node: Any) -> str:
-        if isinstance(node, Node):
-            return f"{node.op} {getattr(node.target, '__name__', node.target)}"
-        return repr(node)
 
     def check_only_feeds_norm(self, norm: Node, gemm: Node, chain: list[Node], backward: list[Node]) -> None:
         """The linear's output and every node up to the norm have no other user (the fused kernel never

@@ -31,7 +31,7 @@ from fusenorm_inductor.fx_utils import val
 from fusenorm_inductor.ops.tuning import Choice, prenorm_choice, prenorm_norm_ms
 from fusenorm_inductor.report import GraphReport
 
-from .base import Pattern, Reject, bind_op_args, getitem_users, is_op, require
+from .base import Pattern, Reject, bind_op_args, describe, getitem_users, is_op, require
 from .post_norm import FLOATS, VIEWS, norm_backward_partners
 
 aten = torch.ops.aten
@@ -91,7 +91,7 @@ class NormLinearFwd(Pattern):
                     if y not in match.flat:
                         match.flat.append(y)
                 else:
-                    raise Reject(f"norm output has a user that is not a linear ({self.describe(u)})")
+                    raise Reject(f"norm output has a user that is not a linear ({describe(u)})")
         for v in match.flat:
             for u in v.users:
                 self.classify(u, v, match)
@@ -114,7 +114,7 @@ class NormLinearFwd(Pattern):
             match.wgrads.append(u)
             return
         else:
-            raise Reject(f"normalized tensor {v.name} has a user that is not a linear ({self.describe(u)})")
+            raise Reject(f"normalized tensor {v.name} has a user that is not a linear ({describe(u)})")
         bv, xv = val(b), val(match.args["x"])
         require(bv.dtype == xv.dtype, f"linear weight dtype {bv.dtype} differs from the norm's {xv.dtype}")
         require(bv.dim() == 2, "linear weight is not 2-D")
@@ -139,11 +139,6 @@ class NormLinearFwd(Pattern):
                 f"left unfused: {len(consumers)} fused GEMMs measured {t_fused:.4g} ms vs {t_unfused:.4g} ms for "
                 "one norm at copy speed + their cuBLAS GEMMs")
 
-    def describe(self, node: Any) -> str:
-        if isinstance(node, Node):
-            return f"{node.op} {getattr(node.target, '__name__', node.target)}"
-        return repr(node)
-
     # ---- rewrite ---------------------------------------------------------------------------------------
     def rewrite(self, graph: fx.Graph, m: PreNormMatch, rep: GraphReport) -> None:
         args, norm = m.args, m.norm
@@ -151,17 +146,18 @@ class NormLinearFwd(Pattern):
         k = xv.shape[-1]
         rows = xv.numel() // k
         w, nb, is_rms = args["weight"], args["bias"], args["is_rms"]
+        with graph.inserting_before(norm):  # after x, and after every placeholder
+            a2 = fx_utils.reshape(graph, x, [rows, k])  # one [M, K] view for every consumer
         stats = None
         for c in m.consumers:
             with graph.inserting_before(c.gemm):
-                a2 = fx_utils.reshape(graph, x, [rows, k])
                 fused = fx_utils.call(graph, NORM_MM, a2, c.b, c.bias, w, nb, args["eps"], is_rms, xv.dtype)
                 out, mean1, rstd1 = fx_utils.getitems(graph, fused, 3)
             c.gemm.replace_all_uses_with(out)
             graph.erase_node(c.gemm)
             if stats is None:
-                stats = (a2, mean1, rstd1)
-        a2, mean1, rstd1 = stats
+                stats = (mean1, rstd1)
+        mean1, rstd1 = stats
         for g in m.wgrads:
             with graph.inserting_before(g):
                 new = fx_utils.call(graph, MM_NORMED, g.args[0], a2, None if is_rms else mean1, rstd1, w, nb, is_rms)

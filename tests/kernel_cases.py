@@ -85,6 +85,21 @@ COLSUM_RTOL = 1e-5
 # ----------------------------------------------------------------------------------------------------------
 
 
+class Recording:
+    """Wraps a kernel: records each launch's keyword ``key`` (True when None), or refuses to run it."""
+
+    def __init__(self, kernel, key=None, forbidden=False):
+        self.kernel, self.key, self.forbidden, self.values = kernel, key, forbidden, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            assert not self.forbidden, "a kernel ran that this path must not launch"
+            self.values.append(kwargs[self.key] if self.key else True)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
 def nan_alloc(shape, dtype, device):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 

@@ -84,6 +84,20 @@ class PostNormBlock(nn.Module):
         return self.out(y) if self.out is not None else y
 
 
+class LinearNormStack(nn.Module):
+    """``linear -> LN -> linear -> RMS -> linear``: each norm sits between two linears (post- and pre-norm
+    both could take it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.n1 = nn.Linear(24, 40), nn.LayerNorm(40)
+        self.l2, self.n2 = nn.Linear(40, 32), nn.RMSNorm(32)
+        self.l3 = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.l3(self.n2(self.l2(self.n1(self.l1(x)))))
+
+
 # ---- running and comparing ---------------------------------------------------------------------------
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

@@ -39,7 +39,7 @@ for _name in (
 from fusenorm_inductor.ops import _triton_common as common  # noqa: E402
 
 from . import kernel_cases as kc  # noqa: E402  (imports the kernel modules)
-from .kernel_cases import EPS, F16, F32, FWD_CASES, NORMS, bwd_k, fwd_k  # noqa: E402
+from .kernel_cases import EPS, F16, F32, FWD_CASES, NORMS, Recording, bwd_k, fwd_k  # noqa: E402
 
 # The interpreter's `range(0, K, ...)` with a runtime K goes through a deprecated numpy conversion (the
 # reason numpy 2.4 breaks it, platform.md); not ours to fix.
@@ -127,26 +127,12 @@ def test_forward_tma_single_tile(monkeypatch, case, mkn, is_rms):
     here); N = 37 has a y row pitch TMA cannot store (74 bytes), so y leaves through pointer stores."""
     monkeypatch.setattr(common, "_FORCE_TMA", True)
     monkeypatch.setattr(fwd_k, "_mm_norm_fwd_fused_kernel", _Forbidden())
-    seen = _Recording(fwd_k._mm_norm_fwd_tma_kernel, "Y_TMA")
+    seen = Recording(fwd_k._mm_norm_fwd_tma_kernel, "Y_TMA")
     monkeypatch.setattr(fwd_k, "_mm_norm_fwd_tma_kernel", seen)
     m, k, n = mkn
     TARGET.run_forward(FWD_CASES[case], m, k, n, F16, is_rms)
     out_bytes = 4 if FWD_CASES[case].out == "f32" else 2
     assert seen.values and all(v == (n * out_bytes % 16 == 0) for v in seen.values), seen.values
-
-
-class _Recording:
-    """Wraps a kernel and records one keyword of every launch."""
-
-    def __init__(self, kernel, key):
-        self.kernel, self.key, self.values = kernel, key, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.values.append(kwargs[self.key])
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -35,7 +35,9 @@ pytest.importorskip("triton")
 from fusenorm_inductor.ops import _triton_common as common  # noqa: E402
 from fusenorm_inductor.ops import norm_mm_kernels as nk  # noqa: E402
 
-from .kernel_cases import BF16, EPS, F16, F32, NORMS, nan_alloc, parametrize_dtypes, unit_roundoff  # noqa: E402
+from .kernel_cases import (  # noqa: E402
+    BF16, EPS, F16, F32, NORMS, Recording, nan_alloc, parametrize_dtypes, unit_roundoff,
+)
 
 INTERPRETER = pytest.mark.skipif(
     CUDA, reason="CUDA is available: the CUDA tests cover the kernels (no interpreter in a GPU session)"
@@ -206,21 +208,6 @@ def check_large_mean(args):
     _, _, rstd64 = oracle(*args[:7], acc=torch.float64)
     assert bool(((naive.double() - rstd64).abs() > rstd_tol).any()), "the rstd bound cannot see cancellation"
     return c_tol
-
-
-class Recording:
-    """Wraps a kernel: records each launch's keyword ``key`` (True when None), or refuses to run it."""
-
-    def __init__(self, kernel, key=None, forbidden=False):
-        self.kernel, self.key, self.forbidden, self.values = kernel, key, forbidden, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            assert not self.forbidden, "a kernel ran that this path must not launch"
-            self.values.append(kwargs[self.key] if self.key else True)
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
 
 
 def record_kernels(monkeypatch, tma=None):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import fusenorm_inductor
 from fusenorm_inductor import config
 
-from .models import NORM_FORMS, PostNormBlock, assert_matches_eager, fusenorm_counts
+from .models import NORM_FORMS, LinearNormStack, PostNormBlock, assert_matches_eager, fusenorm_counts
 
 FUSED_BOTH = {"linear_norm_fwd": 1, "dgrad_norm_bwd": 1}
 
@@ -180,15 +180,5 @@ def test_pattern_switches(device):
 def test_stack_each_norm_fused_once(device):
     """linear -> LN -> linear -> RMS -> linear: two forward fusions, two regrouped backwards."""
 
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.l1, self.n1 = nn.Linear(24, 40), nn.LayerNorm(40)
-            self.l2, self.n2 = nn.Linear(40, 32), nn.RMSNorm(32)
-            self.l3 = nn.Linear(32, 8)
-
-        def forward(self, x):
-            return self.l3(self.n2(self.l2(self.n1(self.l1(x)))))
-
-    assert_matches_eager(Stack, (torch.randn(2, 11, 24),), torch.float32, device)
+    assert_matches_eager(LinearNormStack, (torch.randn(2, 11, 24),), torch.float32, device)
     assert fusenorm_counts() == {"linear_norm_fwd": 2, "dgrad_norm_bwd": 2}

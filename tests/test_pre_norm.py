@@ -11,7 +11,9 @@ import torch.nn as nn
 import fusenorm_inductor
 from fusenorm_inductor import config
 
-from .models import NORM_FORMS, Norm, assert_matches_eager, fusenorm_counts, fwd_bwd, saved_bytes
+from .models import (
+    NORM_FORMS, LinearNormStack, Norm, assert_matches_eager, fusenorm_counts, fwd_bwd, saved_bytes,
+)
 
 FUSED = {"norm_linear_fwd": 1, "dgrad_norm_bwd": 1}
 
@@ -104,24 +106,14 @@ def test_large_mean_layernorm(device):
 def test_stack_each_norm_fused_once(device):
     """linear -> LN -> linear -> RMS -> linear, post-norm off: each norm goes to the linear after it."""
 
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.l1, self.n1 = nn.Linear(24, 40), nn.LayerNorm(40)
-            self.l2, self.n2 = nn.Linear(40, 32), nn.RMSNorm(32)
-            self.l3 = nn.Linear(32, 8)
-
-        def forward(self, x):
-            return self.l3(self.n2(self.l2(self.n1(self.l1(x)))))
-
     with config.patch({"patterns.linear_norm_fwd": False}):
-        assert_matches_eager(Stack, (torch.randn(2, 11, 24),), torch.float32, device)
+        assert_matches_eager(LinearNormStack, (torch.randn(2, 11, 24),), torch.float32, device)
     assert fusenorm_counts() == {"norm_linear_fwd": 2, "dgrad_norm_bwd": 2}
     details = [r.detail for r in fusenorm_inductor.last_report().rewrites if r.pattern == "norm_linear_fwd"]
     assert len(details) == 2 and all("post-norm left it: pattern disabled" in d for d in details), details
     torch._dynamo.reset()
     # Post-norm on (the default): it takes both norms first; pre-norm sees none of them.
-    assert_matches_eager(Stack, (torch.randn(2, 11, 24),), torch.float32, device)
+    assert_matches_eager(LinearNormStack, (torch.randn(2, 11, 24),), torch.float32, device)
     assert fusenorm_counts() == {"norm_linear_fwd": 2, "dgrad_norm_bwd": 4, "linear_norm_fwd": 2}
     details = [r.detail for r in fusenorm_inductor.last_report().rewrites if r.pattern == "linear_norm_fwd"]
     assert len(details) == 2 and all("taken here before pre-norm" in d for d in details), details

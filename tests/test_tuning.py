@@ -54,6 +54,17 @@ def test_disk_cache_round_trip(tmp_path):
     assert len(files) == 1 and len(json.loads(files[0].read_text())) == 1
 
 
+def _report_entries(*patterns) -> list[str]:
+    """The kernel text of every rewrite and the reason of every skip of these patterns, all graphs."""
+    import fusenorm_inductor
+
+    entries = []
+    for rep in fusenorm_inductor.reports():
+        entries += [r.kernel for r in rep.rewrites if r.pattern in patterns]
+        entries += [s.reason for s in rep.skips if s.pattern in patterns]
+    return entries
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -102,8 +113,6 @@ def test_compile_measures_and_reports(recwarn):
     fake tensors) and either fuse or leave the match unfused, naming the measured times in the report."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the TMA kernels need sm_90+")
-    import fusenorm_inductor
-
     model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 64))
     model = model.to("cuda", torch.bfloat16)
     x = torch.randn(32768, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -111,10 +120,7 @@ def test_compile_measures_and_reports(recwarn):
         out = torch.compile(model, backend="fusenorm", dynamic=False)(x)
         out.float().square().mean().backward()
     assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
-    entries = []
-    for rep in fusenorm_inductor.reports():
-        entries += [r.kernel for r in rep.rewrites if r.pattern in ("linear_norm_fwd", "dgrad_norm_bwd")]
-        entries += [s.reason for s in rep.skips if s.pattern in ("linear_norm_fwd", "dgrad_norm_bwd")]
+    entries = _report_entries("linear_norm_fwd", "dgrad_norm_bwd")
     assert len(entries) >= 2 and all("measured" in e for e in entries), entries
     assert not [w for w in recwarn if "fusenorm" in str(w.message)], [str(w.message) for w in recwarn]
 
@@ -173,17 +179,12 @@ def test_compile_measures_prenorm(recwarn):
     leaves the match unfused with the measured times in the report; no warning (no pass fell back)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the TMA kernels need sm_90+")
-    import fusenorm_inductor
-
     model = torch.nn.Sequential(torch.nn.RMSNorm(256), torch.nn.Linear(256, 256)).to("cuda", torch.bfloat16)
     x = torch.randn(65536, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with config.patch({"tuning.measure": True}):
         out = torch.compile(model, backend="fusenorm", dynamic=False)(x)
         out.float().square().mean().backward()
     assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
-    entries = []
-    for rep in fusenorm_inductor.reports():
-        entries += [r.kernel for r in rep.rewrites if r.pattern == "norm_linear_fwd"]
-        entries += [s.reason for s in rep.skips if s.pattern == "norm_linear_fwd"]
+    entries = _report_entries("norm_linear_fwd")
     assert entries and all("measured" in e for e in entries), entries
     assert not [w for w in recwarn if "fusenorm" in str(w.message)], [str(w.message) for w in recwarn]

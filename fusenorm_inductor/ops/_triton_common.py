@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .kernel_choice import single_tile
 
@@ -290,6 +291,25 @@ def tma_store_ok(t: torch.Tensor) -> bool:
         t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
         and t.data_ptr() % 16 == 0 and t.dtype in (torch.float16, torch.bfloat16, torch.float32)
     )
+
+
+# Kernel specializations (a key naming kernel, config and flags) whose TMA-store staging tile did not fit
+# shared memory: they keep pointer stores from then on.
+_NO_TMA_STORE: set = set()
+
+
+def launch_with_tma_store(key: tuple, out: torch.Tensor, launch, allowed: bool = True) -> None:
+    """``launch(True)`` (the output leaves through TMA stores) where ``out`` allows it (``tma_store_ok``),
+    ``allowed`` and this specialization's staging tile fits, else ``launch(False)``. Whether it fits next to
+    the pipeline depends on the epilogue the compiler builds: it tells us with OutOfResources before anything
+    runs, and the key is remembered."""
+    if allowed and tma_store_ok(out) and key not in _NO_TMA_STORE:
+        try:
+            launch(True)
+            return
+        except OutOfResources:
+            _NO_TMA_STORE.add(key)
+    launch(False)
 
 
 def tensor_descriptor(t: torch.Tensor, block_shape: list[int]):

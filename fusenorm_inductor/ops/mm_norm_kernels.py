@@ -46,7 +46,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.runtime.errors import OutOfResources
 
 from ._triton_common import (
     FINALIZE_WARPS,
@@ -54,6 +53,7 @@ from ._triton_common import (
     GemmConfig,
     cooperative_grid,
     fixed_candidates,
+    launch_with_tma_store,
     chan_combine,
     dot_input_precision,
     finalize_block_m,
@@ -66,14 +66,10 @@ from ._triton_common import (
     tensor_descriptor,
     tma_config,
     tma_layout,
-    tma_store_ok,
     tma_tile,
 )
 
 __all__ = ["mm_norm_triton"]
-
-# Row-kernel specializations (config, y dtype, flags) whose TMA-store epilogue did not fit shared memory.
-_NO_TMA_STORE: set = set()
 
 # Test hook: when set (a power of two >= 16), the N tile is this size, so N > _FORCE_BLOCK_N takes the
 # multi-tile path even for small N (the interpreter tests cover both paths with small shapes).
@@ -591,16 +587,8 @@ def mm_norm_triton(
 
             # Not with two programs per SM: the store's staging tile would push their shared memory past
             # half an SM, and they only pay off by sharing one.
-            key = (config, y.dtype, tuple(sorted(common.items())))
-            if config.progs_per_sm == 1 and tma_store_ok(y) and key not in _NO_TMA_STORE:
-                # Whether the staging tile fits next to the pipeline depends on the epilogue the compiler
-                # builds (bias, residual, hh): it tells us, before anything runs, with OutOfResources.
-                try:
-                    launch(True)
-                    return y, hh, mean, rstd
-                except OutOfResources:
-                    _NO_TMA_STORE.add(key)
-            launch(False)
+            key = ("mm_norm row", config, y.dtype, tuple(sorted(common.items())))
+            launch_with_tma_store(key, y, launch, allowed=config.progs_per_sm == 1)
             return y, hh, mean, rstd
         n_tiles = triton.cdiv(n, bn)
         # The spin exchange keeps every tile in registers: no scratch (y stands in, never written early).

@@ -56,26 +56,23 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.runtime.errors import OutOfResources
 
 from ._triton_common import (
     TMA_MAX_BLOCK_N,
     GemmConfig,
     dot_input_precision,
     gemm_num_warps,
+    launch_with_tma_store,
     num_sms,
     pow2_at_least,
     tensor_descriptor,
     tma_config,
     tma_descriptors,
     tma_layout,
-    tma_store_ok,
 )
 
 __all__ = ["fold_norm_affine", "norm_mm_triton", "normed_triton", "prenorm_candidates"]
 
-# TMA-kernel specializations (config, c dtype, flags) whose TMA-store staging tile did not fit shared memory.
-_NO_TMA_STORE: set = set()
 
 TMA_BLOCK_M = 128
 TMA_BLOCK_K = 64
@@ -401,16 +398,7 @@ def norm_mm_triton(
                 m, n, k, a.stride(0), bias_stride, c.stride(0), float(eps), C_TMA=c_tma, **common,
             )
 
-        # Whether the store's staging tile fits next to the pipeline is the compiler's call: it says so,
-        # before anything runs, with OutOfResources (remembered per specialization).
-        key = (config, c.dtype, tuple(sorted(common.items())))
-        if tma_store_ok(c) and key not in _NO_TMA_STORE:
-            try:
-                launch(True)
-                return c, mean, rstd
-            except OutOfResources:
-                _NO_TMA_STORE.add(key)
-        launch(False)
+        launch_with_tma_store(("norm_mm", config, c.dtype, tuple(sorted(common.items()))), c, launch)
         return c, mean, rstd
     if config.kind != "ptr":
         # A TMA config for operands TMA cannot read (or N == 0): the pointer kernel's own tile instead.

@@ -200,6 +200,11 @@ class _RealInputs:
         return out.copy_(base)
 
 
+def _gemm_ms(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> float:
+    """cuBLAS's time for the unfused graph's linear: addmm with a bias, else mm."""
+    return _time_ms((lambda: torch.addmm(bias, a, b)) if bias is not None else (lambda: torch.mm(a, b)))
+
+
 def _norm_proxy_ms(m: int, n: int, dtype: torch.dtype, passes: int, device: torch.device) -> float:
     """The unfused norm's time, taken as ``passes`` streams of [m, n] elements at the copy bandwidth:
     Inductor's norm kernels reach it on these shapes (baselines-h200.md). (torch's own ``copy_`` does not:
@@ -269,8 +274,7 @@ def _measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_d
             )
         best = min(times, key=times.get)
         bias_r, res_r = args[0], args[1]
-        mm = (lambda: torch.addmm(bias_r, ra, rb)) if bias_r is not None else (lambda: torch.mm(ra, rb))
-        t_mm = _time_ms(mm)
+        t_mm = _gemm_ms(ra, rb, bias_r)
         # Inductor's norm reads h (and the residual) and writes y.
         t_norm = _norm_proxy_ms(ra.shape[0], rb.shape[1], ra.dtype, 3 if res_r is not None else 2, dev)
     return _entry(best, times, t_mm + t_norm)
@@ -439,7 +443,7 @@ def _measure_prenorm(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype) -> d
                 lambda c=cand: norm_mm_triton(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype, config=c)
             )
         best = min(times, key=times.get)
-        t_mm = _time_ms((lambda: torch.addmm(rbias, ra, rb)) if rbias is not None else (lambda: torch.mm(ra, rb)))
+        t_mm = _gemm_ms(ra, rb, rbias)
     return _entry(best, times, t_mm + prenorm_norm_ms(a))
 
 
