@@ -1,8 +1,9 @@
 """Probe (H200, issue 4): the Lazy Pre-Norm kernel candidates against cuBLAS and Inductor on a few shapes.
 
 M = 262144, bf16, no affine; for each (K, N) and norm: cuBLAS GEMM, Inductor norm alone, Inductor norm ->
-linear (dynamic=False), and every `prenorm_candidates` config of `norm_mm_triton` (time, hidden share,
-x cuBLAS, max |diff| vs Inductor). Run: python benchmarks/probe_prenorm.py (one sm_90 GPU, ~2 minutes).
+linear (dynamic=False), and every `prenorm_candidates` config of `norm_mm_triton`, each with the row sums
+reduced every K step ("red") and kept as [BLOCK_M, BLOCK_K] partials ("ts") (time, hidden share, x cuBLAS,
+max |diff| vs Inductor). Run: python benchmarks/probe_prenorm.py (one sm_90 GPU, ~4 minutes).
 """
 import torch
 import torch.nn.functional as F
@@ -39,14 +40,18 @@ for K, N in [(256, 256), (512, 512), (1024, 1024), (256, 2048), (2048, 256), (20
         ref = unf(a, W).float()
         line = f"K={K} N={N} {'rms' if is_rms else 'ln '}: mm {t_mm:.4f} norm {t_n:.4f} unfused {t_u:.4f} |"
         for c in nk.prenorm_candidates(a, W.t(), torch.bfloat16):
+            for tile_sums in (False, True):
+                nk.TILE_SUMS_OVERRIDE = tile_sums
+                label = f"{c.label()} {'ts' if tile_sums else 'red'}"
 
-            def fused(c=c):
-                return nk.norm_mm_triton(a, W.t(), None, None, None, eps, is_rms, None, config=c)
+                def fused(c=c):
+                    return nk.norm_mm_triton(a, W.t(), None, None, None, eps, is_rms, None, config=c)
 
-            try:
-                err = (fused()[0].float() - ref).abs().max().item()
-                t = bench(fused)
-                line += f" {c.label()}: {t:.4f} hid {(t_u - t) / t_n:+.2f} x{t / t_mm:.2f} err {err:.3g} |"
-            except Exception as e:  # noqa: BLE001 (a candidate that does not compile is reported, not fatal)
-                line += f" {c.label()}: FAILED {type(e).__name__} {str(e)[:80]} |"
+                try:
+                    err = (fused()[0].float() - ref).abs().max().item()
+                    t = bench(fused)
+                    line += f" {label}: {t:.4f} hid {(t_u - t) / t_n:+.2f} x{t / t_mm:.2f} err {err:.3g} |"
+                except Exception as e:  # noqa: BLE001 (a candidate that does not compile is reported)
+                    line += f" {label}: FAILED {type(e).__name__} {str(e)[:80]} |"
+        nk.TILE_SUMS_OVERRIDE = None
         print(line, flush=True)

@@ -309,6 +309,51 @@ def test_tma_kernel_every_candidate(monkeypatch, is_rms, out_dtype):
         check(args, outs)
 
 
+# The TMA kernel's two walks over the tiles and two forms of the row sums (norm_mm_kernels docstring).
+WALKS = pytest.mark.parametrize(
+    "kind, tile_sums",
+    [("tma", False), ("tma", True), ("tma_rows", False), ("tma_rows", True)],
+    ids=["flat-reduce", "flat-tilesums", "rows-reduce", "rows-tilesums"],
+)
+
+
+def run_walk(monkeypatch, args, kind, tile_sums, block_n):
+    """norm_mm_triton with one forced TMA configuration and form of the row sums."""
+    monkeypatch.setattr(nk, "TILE_SUMS_OVERRIDE", tile_sums)
+    out_dtype = args[7] or args[0].dtype
+    config = common.tma_config(kind, nk.TMA_BLOCK_M, block_n, nk.TMA_BLOCK_K, nk.TMA_STAGES, nk.TMA_WARPS,
+                               out_dtype.itemsize)
+    return nk.norm_mm_triton(*args, config=config)
+
+
+@INTERPRETER
+@WALKS
+@pytest.mark.parametrize("k", [72, 128], ids=["k72-padded", "k128-even"])
+@NORMS
+def test_tma_walks_and_row_sums(monkeypatch, is_rms, k, kind, tile_sums):
+    """M = 600 (5 row blocks over the interpreter's 4 programs: one program takes two, the last is partial),
+    N = 300 in 128-wide tiles (3 per row block, the last partial): the row-block walk must carry its first
+    tile's statistics to the other two; K = 72 pads its last K tile (masked row sums), K = 128 does not."""
+    monkeypatch.setattr(common, "_FORCE_TMA", True)
+    record_kernels(monkeypatch, tma=True)
+    args = make_args(600, k, 300, F16, is_rms)
+    check(args, run_walk(monkeypatch, args, kind, tile_sums, 128))
+
+
+@INTERPRETER
+def test_candidates_row_block_walk_first(monkeypatch):
+    """Enough row blocks to fill the SMs and N over several tiles: the row-block walk is timed first for each
+    N tile that splits N; a single-tile N keeps the flattened walk only."""
+    monkeypatch.setattr(common, "_FORCE_TMA", True)
+    a = torch.randn(1024, 64, dtype=F16)  # 8 row blocks >= the interpreter's 4 "SMs"
+    kinds = [(c.kind, c.block_n) for c in nk.prenorm_candidates(a, torch.randn(64, 304, dtype=F16), F16)]
+    assert kinds == [("tma_rows", 128), ("tma", 128), ("tma_rows", 256), ("tma", 256)], kinds
+    kinds = [(c.kind, c.block_n) for c in nk.prenorm_candidates(a, torch.randn(64, 256, dtype=F16), F16)]
+    assert kinds == [("tma", 256), ("tma_rows", 128), ("tma", 128)], kinds
+    few_rows = torch.randn(256, 64, dtype=F16)  # 2 row blocks: the row-block walk would leave SMs idle
+    assert {c.kind for c in nk.prenorm_candidates(few_rows, torch.randn(64, 304, dtype=F16), F16)} == {"tma"}
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Interpreter: |mean| >> std, degenerate shapes, host folding
 # ----------------------------------------------------------------------------------------------------------
@@ -435,6 +480,25 @@ def test_cuda_layernorm_large_mean(monkeypatch, dtype, spread, path):
     of norm_mm_kernels); a spread of 8 keeps |mean| / std ~ 125 with resolved rows."""
     _set_path(monkeypatch, path)
     check_large_mean(large_mean_args(M_CUDA, 256, 384, dtype, spread, device="cuda"))
+
+
+@ON_CUDA
+@WALKS
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("k", [200, 256], ids=["k200-padded", "k256-even"])
+@NORMS
+def test_cuda_tma_walks_and_row_sums(monkeypatch, is_rms, k, block_n, kind, tile_sums):
+    """Every walk and form of the row sums on the H200 (the compiled kernels, pipelined): M = 4097, N = 640
+    (several N tiles, the last partial), affine on, bf16; plus rows of 1000 + 8 N(0, 1) for LayerNorm."""
+    if not _tma_available():
+        pytest.skip("TMA needs sm_90+")
+    record_kernels(monkeypatch, tma=True)
+    args = make_args(M_CUDA, k, 640, BF16, is_rms, "w_nb", True, b_t=True, device="cuda")
+    check(args, run_walk(monkeypatch, args, kind, tile_sums, block_n), oracle_dtype=torch.float64)
+    if not is_rms:
+        args = large_mean_args(M_CUDA, k, 640, BF16, 8.0, device="cuda")
+        outs = run_walk(monkeypatch, args, kind, tile_sums, block_n)
+        check(args, outs, oracle_dtype=torch.float64)
 
 
 @ON_CUDA

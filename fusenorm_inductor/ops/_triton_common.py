@@ -150,7 +150,9 @@ class GemmConfig(NamedTuple):
                  normalizes itself from registers (needs every program resident: one per SM at most);
           "ptr"  masked pointer loads, any strides and dtypes (single tile, or GEMM + finalize kernel);
           "tma"  (pre-norm, norm_mm_kernels.py) TMA-fed persistent GEMM over [M, N] tiles, row statistics
-                 from the A tiles.
+                 from the A tiles of every tile;
+          "tma_rows" (pre-norm) the same GEMM, each program taking whole row blocks: statistics from the
+                 first N tile's A tiles only.
     progs_per_sm: persistent programs per SM (2 lets one program's epilogue overlap another's loads).
     prefetch: (backward) load the saved tensor's tile before the K loop, so its latency hides under the GEMM
               (costs registers across the loop).

@@ -79,6 +79,9 @@ TMA_BLOCK_K = 64
 TMA_WARPS = 8
 TMA_STAGES = 3
 PTR_BLOCK_N = 128  # widest N tile of the pointer kernel (a 128 x 128 fp32 accumulator at 8 warps)
+# Row sums as [BLOCK_M, BLOCK_K] partials (True) or reduced every K step (False); None: ``_tile_sums`` decides.
+# A probe hook (benchmarks/probe_prenorm.py); tests leave it None.
+TILE_SUMS_OVERRIDE: Optional[bool] = None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -97,23 +100,42 @@ def _row_pivot(a_ptr, rows, M, stride_am, IS_RMS: tl.constexpr, BLOCK_M: tl.cons
 
 
 @triton.jit
-def _accumulate_row_stats(a, pivot, k_ok, s1, s2, IS_RMS: tl.constexpr):
-    """Adds one [BLOCK_M, BLOCK_K] A tile (0 outside the matrix) to the row sums: RMSNorm s2 += sum(a^2);
-    LayerNorm s1 += sum(a - p), s2 += sum((a - p)^2) over the valid columns (k_ok) only."""
+def _accumulate_row_stats(a, pivot, k_ok, s1, s2, IS_RMS: tl.constexpr, TILE_SUMS: tl.constexpr,
+                          EVEN_K: tl.constexpr):
+    """Adds one [BLOCK_M, BLOCK_K] A tile (0 outside the matrix) to the row sums: RMSNorm s2 += a^2;
+    LayerNorm s1 += a - p, s2 += (a - p)^2 over the valid columns (k_ok) only.
+
+    s1/s2 are [BLOCK_M] (each step reduces across the tile's columns: shuffles between threads) or, with
+    TILE_SUMS, [BLOCK_M, BLOCK_K] (elementwise partial sums, one reduction after the K loop: no shuffles in
+    the loop, at the cost of registers). EVEN_K: K is a multiple of BLOCK_K, nothing to mask.
+    """
     x = a.to(tl.float32)
     if IS_RMS:
-        s2 += tl.sum(x * x, axis=1)
+        d = x
+    elif EVEN_K:
+        d = x - pivot[:, None]
     else:
         # A padded column reads 0, but 0 - p is not 0: mask it.
         d = tl.where(k_ok[None, :], x - pivot[:, None], 0.0)
-        s1 += tl.sum(d, axis=1)
+    if TILE_SUMS:
+        s2 += d * d
+        if not IS_RMS:
+            s1 += d
+    else:
         s2 += tl.sum(d * d, axis=1)
+        if not IS_RMS:
+            s1 += tl.sum(d, axis=1)
     return s1, s2
 
 
 @triton.jit
-def _row_stats(s1, s2, pivot, K, eps, IS_RMS: tl.constexpr):
-    """(mean, rstd) from the row sums; for RMSNorm mean is a placeholder (rstd), never stored."""
+def _row_stats(s1, s2, pivot, K, eps, IS_RMS: tl.constexpr, TILE_SUMS: tl.constexpr):
+    """(mean, rstd) from the row sums ([BLOCK_M], or with TILE_SUMS [BLOCK_M, BLOCK_K] partials reduced
+    here); for RMSNorm mean is a placeholder (rstd), never stored."""
+    if TILE_SUMS:
+        s2 = tl.sum(s2, axis=1)
+        if not IS_RMS:
+            s1 = tl.sum(s1, axis=1)
     if IS_RMS:
         rstd = tl.rsqrt(s2 / K + eps)
         mean = rstd
@@ -127,13 +149,18 @@ def _row_stats(s1, s2, pivot, K, eps, IS_RMS: tl.constexpr):
 
 
 @triton.jit
-def _norm_epilogue(
-    acc, s1, s2, pivot, rows, cols, M, N, K, colsum_ptr, bias_ptr, mean_ptr, rstd_ptr, stride_bias, eps,
-    store_stats, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
-):
-    """c = rstd * acc (RMSNorm) or rstd * (acc - mean * colsum) (LayerNorm), + bias', in fp32; stores the
-    rows' mean and rstd when ``store_stats`` (the row block's first N tile)."""
-    mean, rstd = _row_stats(s1, s2, pivot, K, eps, IS_RMS)
+def _store_row_stats(mean, rstd, rows, M, mean_ptr, rstd_ptr, store, IS_RMS: tl.constexpr):
+    """Writes the rows' mean (LayerNorm) and rstd when ``store`` (once per row block)."""
+    stat_mask = (rows < M) & store
+    if not IS_RMS:
+        tl.store(mean_ptr + rows, mean, mask=stat_mask)
+    tl.store(rstd_ptr + rows, rstd, mask=stat_mask)
+
+
+@triton.jit
+def _norm_epilogue(acc, mean, rstd, cols, N, colsum_ptr, bias_ptr, stride_bias,
+                   HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr):
+    """c = rstd * acc (RMSNorm) or rstd * (acc - mean * colsum) (LayerNorm), + bias', in fp32."""
     mask_n = cols < N
     if IS_RMS:
         c = acc * rstd[:, None]
@@ -143,10 +170,6 @@ def _norm_epilogue(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols * stride_bias, mask=mask_n, other=0.0)
         c += bias.to(tl.float32)[None, :]
-    stat_mask = (rows < M) & store_stats
-    if not IS_RMS:
-        tl.store(mean_ptr + rows, mean, mask=stat_mask)
-    tl.store(rstd_ptr + rows, rstd, mask=stat_mask)
     return c
 
 
@@ -185,13 +208,49 @@ def _norm_mm_fwd_kernel(
         a = tl.load(a_rows + ks[None, :] * stride_ak, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_cols + ks[:, None] * stride_bk, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        s1, s2 = _accumulate_row_stats(a, pivot, k_ok, s1, s2, IS_RMS)
-    c = _norm_epilogue(
-        acc, s1, s2, pivot, rows, cols, M, N, K, colsum_ptr, bias_ptr, mean_ptr, rstd_ptr, stride_bias, eps,
-        pid_n == 0, HAS_BIAS, IS_RMS,
-    )
+        s1, s2 = _accumulate_row_stats(a, pivot, k_ok, s1, s2, IS_RMS, False, False)
+    mean, rstd = _row_stats(s1, s2, pivot, K, eps, IS_RMS, False)
+    _store_row_stats(mean, rstd, rows, M, mean_ptr, rstd_ptr, pid_n == 0, IS_RMS)
+    c = _norm_epilogue(acc, mean, rstd, cols, N, colsum_ptr, bias_ptr, stride_bias, HAS_BIAS, IS_RMS)
     mask = mask_m[:, None] & mask_n[None, :]
     tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], c.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tma_k_loop(a_desc, b_desc, off_m, off_n, K, pivot, STATS: tl.constexpr, IS_RMS: tl.constexpr,
+                TILE_SUMS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, B_KN: tl.constexpr):
+    """acc = a[off_m tile, :] @ b'[:, off_n tile] (fp32) through TMA loads, and with STATS the row sums of
+    the same A tiles (``_accumulate_row_stats``; [BLOCK_M, BLOCK_K] partials when TILE_SUMS)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TILE_SUMS:
+        s1 = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        s2 = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    else:
+        s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([off_m, ki * BLOCK_K])
+        if B_KN:
+            b = b_desc.load([ki * BLOCK_K, off_n])
+        else:
+            b = b_desc.load([off_n, ki * BLOCK_K]).T
+        acc = tl.dot(a, b, acc)
+        if STATS:
+            s1, s2 = _accumulate_row_stats(a, pivot, (ki * BLOCK_K + offs_k) < K, s1, s2, IS_RMS, TILE_SUMS,
+                                           EVEN_K)
+    return acc, s1, s2
+
+
+@triton.jit
+def _tma_store_tile(c, rows, cols, off_m, off_n, M, N, c_ptr, c_desc, stride_cm, C_TMA: tl.constexpr):
+    """Writes one fp32 tile of c: TMA store (clipped at M and N) when C_TMA, else masked pointer stores."""
+    if C_TMA:
+        c_desc.store([off_m, off_n], c.to(c_desc.dtype))
+    else:
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], c.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -202,44 +261,55 @@ def _norm_mm_fwd_tma_kernel(
     eps,
     HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGS: tl.constexpr,
-    B_KN: tl.constexpr, C_TMA: tl.constexpr,
+    B_KN: tl.constexpr, C_TMA: tl.constexpr, ROW_BLOCKS: tl.constexpr, TILE_SUMS: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """The same tiles as ``_norm_mm_fwd_kernel`` on Hopper: A and b' fed by TMA (host-side descriptors; b'
     read from a [K, N] descriptor when B_KN, else from the [N, K] descriptor of its transpose), NUM_PROGS
-    persistent programs walking the tiles in a flattened loop (the next tile's loads overlap this one's
-    epilogue). The A tile each step loads feeds both the MMA and the row statistics. C_TMA: c leaves through
-    a TMA store (box [BLOCK_M, BLOCK_N], clipped at M and N), else masked pointer stores.
+    persistent programs. C_TMA: c leaves through a TMA store, else masked pointer stores.
+
+    Two walks over the tiles:
+    - ROW_BLOCKS (kind "tma_rows"): each program takes whole row blocks. The first N tile's K loop also sums
+      the rows' statistics; the row block's other N tiles reuse them and run a plain GEMM loop. Statistics
+      cost once per row block instead of once per tile (what matters when N spans several tiles).
+    - else (kind "tma"): one flattened loop over all (row block, N tile) tiles, each recomputing its rows'
+      statistics; the next tile's loads overlap this one's epilogue.
     """
-    k_tiles = tl.cdiv(K, BLOCK_K)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    for t in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * n_tiles_n, NUM_PROGS, flatten=True):
-        pid_n = t % n_tiles_n
-        off_m = (t // n_tiles_n) * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        rows = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: row * stride must not overflow
-        cols = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
-        pivot = _row_pivot(a_ptr, rows, M, stride_am, IS_RMS, BLOCK_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for ki in range(k_tiles):
-            a = a_desc.load([off_m, ki * BLOCK_K])
-            if B_KN:
-                b = b_desc.load([ki * BLOCK_K, off_n])
-            else:
-                b = b_desc.load([off_n, ki * BLOCK_K]).T
-            acc = tl.dot(a, b, acc)
-            s1, s2 = _accumulate_row_stats(a, pivot, (ki * BLOCK_K + offs_k) < K, s1, s2, IS_RMS)
-        c = _norm_epilogue(
-            acc, s1, s2, pivot, rows, cols, M, N, K, colsum_ptr, bias_ptr, mean_ptr, rstd_ptr, stride_bias,
-            eps, pid_n == 0, HAS_BIAS, IS_RMS,
-        )
-        if C_TMA:
-            c_desc.store([off_m, off_n], c.to(c_desc.dtype))
-        else:
-            mask = (rows < M)[:, None] & (cols < N)[None, :]
-            tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], c.to(c_ptr.dtype.element_ty), mask=mask)
+    if ROW_BLOCKS:
+        for rb in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M), NUM_PROGS):
+            off_m = rb * BLOCK_M
+            rows = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: row * stride must not overflow
+            pivot = _row_pivot(a_ptr, rows, M, stride_am, IS_RMS, BLOCK_M)
+            acc, s1, s2 = _tma_k_loop(a_desc, b_desc, off_m, 0, K, pivot, True, IS_RMS, TILE_SUMS, EVEN_K,
+                                      BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
+            mean, rstd = _row_stats(s1, s2, pivot, K, eps, IS_RMS, TILE_SUMS)
+            _store_row_stats(mean, rstd, rows, M, mean_ptr, rstd_ptr, True, IS_RMS)
+            cols = tl.arange(0, BLOCK_N).to(tl.int64)
+            c = _norm_epilogue(acc, mean, rstd, cols, N, colsum_ptr, bias_ptr, stride_bias, HAS_BIAS, IS_RMS)
+            _tma_store_tile(c, rows, cols, off_m, 0, M, N, c_ptr, c_desc, stride_cm, C_TMA)
+            for pid_n in range(1, n_tiles_n):
+                off_n = pid_n * BLOCK_N
+                acc, _, _ = _tma_k_loop(a_desc, b_desc, off_m, off_n, K, pivot, False, IS_RMS, False, EVEN_K,
+                                        BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
+                cols = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+                c = _norm_epilogue(acc, mean, rstd, cols, N, colsum_ptr, bias_ptr, stride_bias, HAS_BIAS,
+                                   IS_RMS)
+                _tma_store_tile(c, rows, cols, off_m, off_n, M, N, c_ptr, c_desc, stride_cm, C_TMA)
+    else:
+        for t in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * n_tiles_n, NUM_PROGS, flatten=True):
+            pid_n = t % n_tiles_n
+            off_m = (t // n_tiles_n) * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            rows = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
+            cols = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+            pivot = _row_pivot(a_ptr, rows, M, stride_am, IS_RMS, BLOCK_M)
+            acc, s1, s2 = _tma_k_loop(a_desc, b_desc, off_m, off_n, K, pivot, True, IS_RMS, TILE_SUMS, EVEN_K,
+                                      BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
+            mean, rstd = _row_stats(s1, s2, pivot, K, eps, IS_RMS, TILE_SUMS)
+            _store_row_stats(mean, rstd, rows, M, mean_ptr, rstd_ptr, pid_n == 0, IS_RMS)
+            c = _norm_epilogue(acc, mean, rstd, cols, N, colsum_ptr, bias_ptr, stride_bias, HAS_BIAS, IS_RMS)
+            _tma_store_tile(c, rows, cols, off_m, off_n, M, N, c_ptr, c_desc, stride_cm, C_TMA)
 
 
 @triton.jit
@@ -334,17 +404,33 @@ def _tma_block_ns(m: int, n: int, device: torch.device) -> list[int]:
 
 def prenorm_candidates(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> list[GemmConfig]:
     """The configurations worth timing for ``norm_mm_triton(a, b, ...)``, best guess first (``tuning``
-    times them on CUDA; without tuning the first one runs). b may be b or b' (same layout)."""
+    times them on CUDA; without tuning the first one runs). b may be b or b' (same layout).
+
+    Where N spans several tiles and the row blocks fill the SMs, the row-block walk ("tma_rows": statistics
+    once per row block) comes first, the flattened walk ("tma": statistics per tile) after it."""
     m, k = a.shape
     n = b.shape[1]
     if n == 0 or tma_layout(a, b) is None:
         return [_pointer_config(m, n, k, a.dtype, a.device)]
     bk = min(TMA_BLOCK_K, pow2_at_least(k))
     out_bytes = out_dtype.itemsize
-    return [
-        tma_config("tma", TMA_BLOCK_M, bn, bk, TMA_STAGES, TMA_WARPS, out_bytes)
-        for bn in _tma_block_ns(m, n, a.device)
-    ]
+    cands = []
+    for bn in _tma_block_ns(m, n, a.device):
+        flat = tma_config("tma", TMA_BLOCK_M, bn, bk, TMA_STAGES, TMA_WARPS, out_bytes)
+        if triton.cdiv(n, bn) > 1 and triton.cdiv(m, flat.block_m) >= num_sms(a.device):
+            cands.append(flat._replace(kind="tma_rows"))
+        cands.append(flat)
+    return cands
+
+
+def _tile_sums(config: GemmConfig, is_rms: bool) -> bool:
+    """Whether the TMA kernel keeps [BLOCK_M, BLOCK_K] partial row sums (no shuffles in the K loop) for
+    this tile: when they fit in registers beside the accumulator (fp32 elements per thread)."""
+    if TILE_SUMS_OVERRIDE is not None:
+        return TILE_SUMS_OVERRIDE
+    threads = 32 * config.warps
+    per_thread = (config.block_m * config.block_n + (1 if is_rms else 2) * config.block_m * config.block_k) // threads
+    return per_thread <= 160
 
 
 def norm_mm_triton(
@@ -383,12 +469,16 @@ def norm_mm_triton(
     bias_stride = bias_fold.stride(0) if bias_fold is not None else 0
     flags = dict(HAS_BIAS=bias_fold is not None, IS_RMS=is_rms)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    layout = tma_layout(a, b_fold) if config.kind == "tma" and n > 0 else None
-    if config.kind == "tma" and layout is not None:
+    tma = config.kind in ("tma", "tma_rows")
+    layout = tma_layout(a, b_fold) if tma and n > 0 else None
+    if tma and layout is not None:
         descs = tma_descriptors(a, b_fold, layout, bm, bn, bk)
-        grid = min(num_sms(dev) * config.progs_per_sm, triton.cdiv(m, bm) * triton.cdiv(n, bn))
+        row_blocks = config.kind == "tma_rows"
+        tiles = triton.cdiv(m, bm) * (1 if row_blocks else triton.cdiv(n, bn))
+        grid = min(num_sms(dev) * config.progs_per_sm, tiles)
         common = dict(
             **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_PROGS=grid, B_KN=layout == "kn",
+            ROW_BLOCKS=row_blocks, TILE_SUMS=_tile_sums(config, is_rms), EVEN_K=k % bk == 0,
             num_warps=config.warps, num_stages=config.stages,
         )
 
@@ -400,7 +490,7 @@ def norm_mm_triton(
 
         launch_with_tma_store(("norm_mm", config, c.dtype, tuple(sorted(common.items()))), c, launch)
         return c, mean, rstd
-    if config.kind != "ptr":
+    if tma:
         # A TMA config for operands TMA cannot read (or N == 0): the pointer kernel's own tile instead.
         config = _pointer_config(m, n, k, a.dtype, dev)
         bm, bn, bk = config.block_m, config.block_n, config.block_k
