@@ -126,8 +126,9 @@ def test_compile_measures_and_reports(recwarn):
 
 
 def test_prenorm_measurement_plumbing(monkeypatch):
-    """The pre-norm dispatch's measuring path, run on CPU with the timer replaced: every candidate and the
-    GEMM are run once, the entry is cached, the verdict follows the margin."""
+    """The pre-norm dispatch's measuring path with the timer replaced (on CPU the kernels run in the
+    interpreter, on a GPU compiled): every candidate and the GEMM are run once, the entry is cached, the
+    verdict follows the margin."""
     runs = []
 
     def fake_time(fn):
@@ -138,8 +139,9 @@ def test_prenorm_measurement_plumbing(monkeypatch):
     monkeypatch.setattr(tuning, "_can_measure", lambda device: True)
     monkeypatch.setattr(tuning, "_time_ms", fake_time)
     monkeypatch.setattr(tuning, "_norm_proxy_ms", lambda *a: 0.5)  # unfused = 1.0 + 0.5
-    a, w = torch.randn(65, 40, dtype=torch.float16), torch.randn(24, 40, dtype=torch.float16)
-    args = (a, w.t(), None, torch.ones(40), None, 1e-5, False, torch.float16)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a, w = (torch.randn(65, 40, dtype=torch.float16, device=dev), torch.randn(24, 40, dtype=torch.float16, device=dev))
+    args = (a, w.t(), None, torch.ones(40, device=dev), None, 1e-5, False, torch.float16)
     choice = tuning.prenorm_choice(*args)
     assert len(runs) >= 2 and choice.fuse and "measured 1 ms fused" in choice.reason, choice
     monkeypatch.setattr(tuning, "_measure_prenorm", lambda *a, **k: pytest.fail("measured twice"))

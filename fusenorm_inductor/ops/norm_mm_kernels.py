@@ -13,9 +13,10 @@ The norm is never applied to A. Row scaling commutes with the matmul, and the af
 and each [BLOCK_M, BLOCK_N] tile of c is one GEMM tile acc = a @ b' (fp32) plus an epilogue:
     RMSNorm:   c = rstd * acc + bias'
     LayerNorm: c = rstd * (acc - mean * colsum) + bias'
-The row statistics come from the A tiles the K loop loads for the GEMM anyway (CUDA-core reductions beside
-the MMA). Every N tile of a row block recomputes its rows' statistics: a few FMAs per loaded A element,
-cheaper than exchanging them; the tiles with pid_n == 0 store mean and rstd.
+The row statistics come from the A tiles the K loop reads for the GEMM anyway (CUDA-core reductions beside
+the MMA; on the TMA path through their own loads of the tile, which hit L2: ``_tma_k_loop`` says why). The
+pointer kernel and the TMA kernel's flattened walk recompute them in every N tile of a row block; the
+row-block walk computes them in its first N tile only; the first tile stores mean and rstd.
 
 Statistics (fp32):
 - RMSNorm: rstd = rsqrt(sum_k a^2 / K + eps).
@@ -40,7 +41,10 @@ Two kernels behind ``norm_mm_triton``; ``prenorm_candidates`` lists the configur
 - kind "tma" (Hopper, 16-bit, ``tma_layout`` not None: A row-major, b' = W.T of a row-major weight or a
   row-major [K, N], 16-byte aligned rows): ``_norm_mm_fwd_tma_kernel``, a persistent TMA-fed kernel (host-side
   descriptors; out-of-bounds boxes read as 0) with one flattened loop over (row block, N tile) tiles, N tiles
-  of a row block adjacent (they share A in L2). 128 x 128 or 128 x 256 tiles, BLOCK_K 64, 8 warps, 3 stages
+  of a row block adjacent (they share A in L2); kind "tma_rows": the same kernel walking whole row blocks,
+  statistics once per row block (``_norm_mm_fwd_tma_kernel``). Row sums as [BLOCK_M] vectors or
+  [BLOCK_M, BLOCK_K] partials (``_tile_sums``), no K mask when K % BLOCK_K == 0.
+  128 x 128 or 128 x 256 tiles, BLOCK_K 64, 8 warps, 3 stages
   (``tma_config`` drops stages, then rows, to fit shared memory next to the c staging tile: an fp32 c gets
   64 x 256); c leaves through a TMA store when its row pitch allows (``tma_store_ok``), else, or when the
   compiler reports the staging tile does not fit (OutOfResources, remembered), through pointer stores.
@@ -217,11 +221,18 @@ def _norm_mm_fwd_kernel(
 
 
 @triton.jit
-def _tma_k_loop(a_desc, b_desc, off_m, off_n, K, pivot, STATS: tl.constexpr, IS_RMS: tl.constexpr,
-                TILE_SUMS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, B_KN: tl.constexpr):
+def _tma_k_loop(a_desc, b_desc, a_ptr, rows, M, stride_am, off_m, off_n, K, pivot, STATS: tl.constexpr,
+                IS_RMS: tl.constexpr, TILE_SUMS: tl.constexpr, EVEN_K: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_KN: tl.constexpr):
     """acc = a[off_m tile, :] @ b'[:, off_n tile] (fp32) through TMA loads, and with STATS the row sums of
-    the same A tiles (``_accumulate_row_stats``; [BLOCK_M, BLOCK_K] partials when TILE_SUMS)."""
+    the same A tiles (``_accumulate_row_stats``; [BLOCK_M, BLOCK_K] partials when TILE_SUMS).
+
+    The row sums read A through their own pointer loads (L2 hits: the TMA load of the same tile is in
+    flight), not from the tile the MMA consumes. Summing the TMA-loaded tile itself is faster but wrong on
+    the H200 under Triton 3.6: with 128 x 256 tiles, 2 or 3 stages, either walk, 0.1-10% of c came out
+    garbage, differently from launch to launch (a race between the register reads of the shared-memory
+    tile and the pipeline's reuse of its buffer; benchmarks/results/probe_prenorm_h200.txt). A CTA barrier
+    after the sums fixes it at 1.5-4x the time; separate loads fix it for 2-15%."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TILE_SUMS:
@@ -238,8 +249,10 @@ def _tma_k_loop(a_desc, b_desc, off_m, off_n, K, pivot, STATS: tl.constexpr, IS_
             b = b_desc.load([off_n, ki * BLOCK_K]).T
         acc = tl.dot(a, b, acc)
         if STATS:
-            s1, s2 = _accumulate_row_stats(a, pivot, (ki * BLOCK_K + offs_k) < K, s1, s2, IS_RMS, TILE_SUMS,
-                                           EVEN_K)
+            ks = ki * BLOCK_K + offs_k
+            a_s = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :],
+                          mask=(rows < M)[:, None] & (ks < K)[None, :], other=0.0)
+            s1, s2 = _accumulate_row_stats(a_s, pivot, ks < K, s1, s2, IS_RMS, TILE_SUMS, EVEN_K)
     return acc, s1, s2
 
 
@@ -281,8 +294,8 @@ def _norm_mm_fwd_tma_kernel(
             off_m = rb * BLOCK_M
             rows = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: row * stride must not overflow
             pivot = _row_pivot(a_ptr, rows, M, stride_am, IS_RMS, BLOCK_M)
-            acc, s1, s2 = _tma_k_loop(a_desc, b_desc, off_m, 0, K, pivot, True, IS_RMS, TILE_SUMS, EVEN_K,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
+            acc, s1, s2 = _tma_k_loop(a_desc, b_desc, a_ptr, rows, M, stride_am, off_m, 0, K, pivot, True, IS_RMS,
+                                      TILE_SUMS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
             mean, rstd = _row_stats(s1, s2, pivot, K, eps, IS_RMS, TILE_SUMS)
             _store_row_stats(mean, rstd, rows, M, mean_ptr, rstd_ptr, True, IS_RMS)
             cols = tl.arange(0, BLOCK_N).to(tl.int64)
@@ -290,8 +303,8 @@ def _norm_mm_fwd_tma_kernel(
             _tma_store_tile(c, rows, cols, off_m, 0, M, N, c_ptr, c_desc, stride_cm, C_TMA)
             for pid_n in range(1, n_tiles_n):
                 off_n = pid_n * BLOCK_N
-                acc, _, _ = _tma_k_loop(a_desc, b_desc, off_m, off_n, K, pivot, False, IS_RMS, False, EVEN_K,
-                                        BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
+                acc, _, _ = _tma_k_loop(a_desc, b_desc, a_ptr, rows, M, stride_am, off_m, off_n, K, pivot, False,
+                                        IS_RMS, False, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
                 cols = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
                 c = _norm_epilogue(acc, mean, rstd, cols, N, colsum_ptr, bias_ptr, stride_bias, HAS_BIAS,
                                    IS_RMS)
@@ -304,8 +317,8 @@ def _norm_mm_fwd_tma_kernel(
             rows = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
             cols = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
             pivot = _row_pivot(a_ptr, rows, M, stride_am, IS_RMS, BLOCK_M)
-            acc, s1, s2 = _tma_k_loop(a_desc, b_desc, off_m, off_n, K, pivot, True, IS_RMS, TILE_SUMS, EVEN_K,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
+            acc, s1, s2 = _tma_k_loop(a_desc, b_desc, a_ptr, rows, M, stride_am, off_m, off_n, K, pivot, True,
+                                      IS_RMS, TILE_SUMS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, B_KN)
             mean, rstd = _row_stats(s1, s2, pivot, K, eps, IS_RMS, TILE_SUMS)
             _store_row_stats(mean, rstd, rows, M, mean_ptr, rstd_ptr, pid_n == 0, IS_RMS)
             c = _norm_epilogue(acc, mean, rstd, cols, N, colsum_ptr, bias_ptr, stride_bias, HAS_BIAS, IS_RMS)
