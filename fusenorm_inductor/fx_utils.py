@@ -201,6 +201,12 @@ def render(graph: fx.Graph, nodes: Optional[set[Node]] = None) -> str:
 
 
 def flat_like(t: torch.Tensor, *shape: int) -> torch.Tensor:
-    """A contiguous meta tensor of ``shape`` with t's dtype: what the rewrite's reshape gives the fused op,
-    for code that reads only shapes, strides and dtypes (the kernel tuner)."""
+    """A contiguous tensor of ``shape`` with t's dtype and device that holds no memory: what the rewrite's
+    reshape gives the fused op, for the kernel tuner, which reads shapes, strides, dtype and device (it
+    measures on CUDA only: a meta tensor here would make every dispatch "not measured"). t is a node's
+    example value, a FakeTensor, whose fake mode makes the new one; anything else gives a meta tensor."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(t, FakeTensor):
+        return t.new_empty(shape)
     return torch.empty(shape, dtype=t.dtype, device="meta")

@@ -99,7 +99,7 @@ class NormLinearFwd(Pattern):
         bwd = norm_backward_partners(norm)
         require(bwd or not fx_utils.tangent_dependent(norm.graph),
                 "the norm's backward was not found (its statistics feed something else)")
-        self.check_speed(args, x, match.consumers, m, k)
+        self.check_speed(args, x, match.consumers, len(match.wgrads), m, k)
         return match
 
     def classify(self, u: Node, v: Node, match: PreNormMatch) -> None:
@@ -120,24 +120,34 @@ class NormLinearFwd(Pattern):
         require(bv.dim() == 2, "linear weight is not 2-D")
         match.consumers.append(Consumer(u, b, bias, None))
 
-    def check_speed(self, args, x: Node, consumers: list[Consumer], m: int, k: int) -> None:
-        """Fused only where it was measured to win (always on CPU). With fan-out the unfused graph runs the
-        norm once for all its linears, so the fused GEMMs' sum is weighed against one norm + their GEMMs."""
+    def check_speed(self, args, x: Node, consumers: list[Consumer], n_wgrads: int, m: int, k: int) -> None:
+        """Fused only where it was measured to win (always on CPU). The unfused graph runs the norm once for
+        all its linears, so with fan-out the fused GEMMs' sum is weighed against one norm + their GEMMs. In
+        training each weight gradient rebuilds norm(x) from x and the statistics (``mm_normed``: one read of
+        x, one write of y, at copy speed like the norm itself), where the unfused graph reads the y it saved:
+        that cost is added to the fused side, so a fusion that wins the forward but loses the step is not
+        taken."""
         xv = val(x)
         a2 = fx_utils.flat_like(xv, m, k)
         for c in consumers:
             c.choice = prenorm_choice(a2, val(c.b), val(c.bias), val(args["weight"]), val(args["bias"]),
                                       args["eps"], args["is_rms"], xv.dtype)
-        if len(consumers) == 1 or any(c.choice.t_fused_ms is None for c in consumers):
+        if any(c.choice.t_fused_ms is None for c in consumers):  # not measured (CPU, or measuring off)
             for c in consumers:
                 require(c.choice.fuse, f"{c.gemm.name}: {c.choice.reason}")
             return
         t_norm = prenorm_norm_ms(a2)
-        t_fused = sum(c.choice.t_fused_ms for c in consumers)
+        t_fused = sum(c.choice.t_fused_ms for c in consumers) + n_wgrads * t_norm
         t_unfused = sum(c.choice.t_unfused_ms - t_norm for c in consumers) + t_norm
-        require(t_fused < t_unfused * (1.0 - config.tuning.margin),
-                f"left unfused: {len(consumers)} fused GEMMs measured {t_fused:.4g} ms vs {t_unfused:.4g} ms for "
-                "one norm at copy speed + their cuBLAS GEMMs")
+        if t_fused < t_unfused * (1.0 - config.tuning.margin):
+            return
+        what = f"{len(consumers)} fused GEMM(s)"
+        if n_wgrads:
+            what += f" + {n_wgrads} rebuild(s) of norm(x) for the weight gradients"
+        if len(consumers) == 1 and not n_wgrads:
+            raise Reject(f"{consumers[0].gemm.name}: {consumers[0].choice.reason}")
+        raise Reject(f"left unfused: {what} measured {t_fused:.4g} ms vs {t_unfused:.4g} ms for one norm at "
+                     "copy speed + the cuBLAS GEMMs")
 
     # ---- rewrite ---------------------------------------------------------------------------------------
     def rewrite(self, graph: fx.Graph, m: PreNormMatch, rep: GraphReport) -> None:

@@ -182,3 +182,16 @@ def test_dynamic_shapes_left_to_inductor(device):
         x = torch.randn(rows, 16, device=device)
         torch.testing.assert_close(compiled(x), m(x), atol=1e-4, rtol=1e-4)
     assert "norm_linear_fwd" not in fusenorm_counts()
+
+
+def test_flat_like_keeps_the_device():
+    """The tuner sees the [M, K] operand the rewrite builds: it must carry the example value's device (a
+    meta tensor made every CUDA dispatch report "not measured on CPU" and fuse unmeasured)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fusenorm_inductor.fx_utils import flat_like
+
+    with FakeTensorMode():
+        t = torch.empty(4, 6, 8, device="cuda", dtype=torch.bfloat16)  # fake: no GPU needed
+    f = flat_like(t, 24, 8)
+    assert (f.device.type, tuple(f.shape), f.stride(), f.dtype) == ("cuda", (24, 8), (8, 1), torch.bfloat16)
