@@ -141,13 +141,14 @@ class NormLinearFwd(Pattern):
         t_unfused = sum(c.choice.t_unfused_ms - t_norm for c in consumers) + t_norm
         if t_fused < t_unfused * (1.0 - config.tuning.margin):
             return
-        what = f"{len(consumers)} fused GEMM(s)"
-        if n_wgrads:
-            what += f" + {n_wgrads} rebuild(s) of norm(x) for the weight gradients"
         if len(consumers) == 1 and not n_wgrads:
             raise Reject(f"{consumers[0].gemm.name}: {consumers[0].choice.reason}")
-        raise Reject(f"left unfused: {what} measured {t_fused:.4g} ms vs {t_unfused:.4g} ms for one norm at "
-                     "copy speed + the cuBLAS GEMMs")
+        what = f"{len(consumers)} GEMM(s)"
+        if n_wgrads:
+            what += f" + {n_wgrads} rebuild(s) of norm(x) for the weight gradients"
+        # The format of tuning._choice's reasons: "(measured <fused> ms fused [what] vs <unfused> ms ...)".
+        raise Reject(f"left unfused: fusion would not win (measured {t_fused:.4g} ms fused [{what}] vs "
+                     f"{t_unfused:.4g} ms for one norm at copy speed + the cuBLAS GEMMs)")
 
     # ---- rewrite ---------------------------------------------------------------------------------------
     def rewrite(self, graph: fx.Graph, m: PreNormMatch, rep: GraphReport) -> None:

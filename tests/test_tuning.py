@@ -158,10 +158,11 @@ def test_prenorm_measurement_plumbing(monkeypatch):
     "fan_out, train, t_fused, fused, why",
     [
         (1, False, 1.0, True, None),
-        (3, False, 1.0, False, "3 fused GEMM(s) measured 3 ms vs 2.5 ms"),
-        (1, True, 1.0, False, "1 fused GEMM(s) + 1 rebuild(s) of norm(x) for the weight gradients measured 2 ms"),
+        (3, False, 1.0, False, "(measured 3 ms fused [3 GEMM(s)] vs 2.5 ms"),
+        (1, True, 1.0, False,
+         "(measured 2 ms fused [1 GEMM(s) + 1 rebuild(s) of norm(x) for the weight gradients] vs 1.5 ms"),
         (1, True, 0.1, True, None),
-        (2, True, 0.1, False, "2 fused GEMM(s) + 2 rebuild(s)"),
+        (2, True, 0.1, False, "(measured 2.2 ms fused [2 GEMM(s) + 2 rebuild(s)"),
     ],
     ids=["infer-1", "infer-3", "train-1-loses", "train-1-wins", "train-2-loses"],
 )

@@ -231,7 +231,7 @@ def _tma_k_loop(a_desc, b_desc, a_ptr, rows, M, stride_am, off_m, off_n, K, pivo
     flight), not from the tile the MMA consumes. Summing the TMA-loaded tile itself is faster but wrong on
     the H200 under Triton 3.6: with 128 x 256 tiles, 2 or 3 stages, either walk, 0.1-10% of c came out
     garbage, differently from launch to launch (a race between the register reads of the shared-memory
-    tile and the pipeline's reuse of its buffer; benchmarks/results/probe_prenorm_h200.txt). A CTA barrier
+    tile and the pipeline's reuse of its buffer; benchmarks/results/probe_prenorm_race_h200.txt). A CTA barrier
     after the sums fixes it at 1.5-4x the time; separate loads fix it for 2-15%."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
