@@ -1,0 +1,416 @@
+"""FlashNormAttention: the fused PFFN attention block (algorithms.md section 5), norms over all H*D features.
+
+For a jagged q [T, H, D] (sequence b owns tokens q_offsets[b] .. q_offsets[b+1]) and dense short k, v
+[B, S, H, D] (S <= 256), per token t of sequence b and head h, in fp32:
+
+    ln_q  = LayerNorm_{H*D}(q[t]) (* ln_weight + ln_bias)          viewed [H, D]
+    o_h   = (act(ln_q_h K_bh^T) * scale) V_bh + ln_q_h              GDPA (an activation, no softmax); residual 1
+    out   = RMSNorm_{H*D}(o) (* rms_weight) + q[t]                  residual 2
+
+Ops (registered on import):
+- ``fusenorm::flash_norm_attention(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps,
+  rms_eps, activation, scale) -> (out, ln_mean, ln_rstd, rms_rstd)``: out [T, H, D] in q's dtype; the three
+  statistics fp32 [T], saved for the backward. Autograd: gradients for q, k, v and the three weights.
+- ``fusenorm::flash_norm_attention_backward(dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias,
+  rms_weight, ln_mean, ln_rstd, rms_rstd, activation, scale) -> (dq, dk, dv, d_ln_weight, d_ln_bias,
+  d_rms_weight)``: the gradients (a missing weight's gradient is a 0-size tensor).
+Python: ``flash_norm_attention(...) -> out`` and the references ``flash_norm_attention_reference(...)``
+(the 4-tuple) and ``flash_norm_attention_backward_reference(...)``.
+
+CPU runs the references; CUDA runs the Triton kernels of flash_norm_attention_kernels.py (module docstring
+there: the cross-head design).
+
+Rounding (both the reference and the kernels; "what an unfused bf16 graph does, or better"): everything is fp32
+except three roundings to q's dtype, each at a place where the unfused graph rounds too:
+  1. ln_q as the operand of ln_q K^T (the tensor-core operand; the residual adds the unrounded fp32 ln_q),
+  2. P = act(S) * scale before P V (likewise),
+  3. o = P V + ln_q before the RMSNorm (the kernels stage o in ``out`` between two passes over the heads; the
+     unfused graph rounds the attention block's output before its RMSNorm too). Optional: the kernel's
+     ``stage="fp32"`` keeps o in an fp32 scratch, one rounding fewer than the reference.
+For fp32 inputs these are no-ops; an fp64 q (reference only) computes in fp64. The backward recomputes in fp32
+and rounds d(o) and dS to q's dtype as MMA operands (the unfused graph's autograd rounds them to bf16 too).
+
+Backward: ln_q is rebuilt from q and the saved LayerNorm statistics; o is *recomputed* (P V + ln_q), not
+derived from the output as (out - q) / (rms_rstd * rms_weight), which divides by rms_weight (infinite or
+garbage where a weight is ~0) and cancels where |q| >> |out - q| (bf16 out rounded at |q| loses o's low bits).
+The recompute costs P V once more per head (the backward needs S = ln_q K^T for act'(S) anyway).
+
+Offsets: int32 [B+1], q_offsets[0] == 0, non-decreasing, q_offsets[-1] == T, every length <= max_seq_len_q
+(the kernels' grid covers max_seq_len_q rows per sequence). Checking them reads the offsets on the host
+(a device sync on CUDA); ``CHECK_OFFSETS = False`` skips it (e.g. under CUDA graphs).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._validate import check_eps, check_tensor
+from .activations import act_grad_reference, act_reference, activation_code
+
+__all__ = [
+    "flash_norm_attention",
+    "flash_norm_attention_op",
+    "flash_norm_attention_backward",
+    "flash_norm_attention_reference",
+    "flash_norm_attention_backward_reference",
+    "MAX_KV_LEN",
+]
+
+_OP = "fusenorm::flash_norm_attention"
+_OP_BWD = "fusenorm::flash_norm_attention_backward"
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+MAX_KV_LEN = 256
+CHECK_OFFSETS = True
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check(op, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, activation, scale) -> None:
+    """Metadata checks (shapes, dtypes, devices, scalars): run by the real and the fake implementations."""
+    check_tensor(op, "q", q, ndim=3, dtypes=FLOATS)
+    t, h, d = q.shape
+    if h == 0 or d == 0:
+        raise ValueError(f"{op}: q is {tuple(q.shape)}: the norms need at least one feature (H*D > 0)")
+    check_tensor(op, "k", k, ndim=4, device=q.device, dtypes=(q.dtype,))
+    check_tensor(op, "v", v, ndim=4, device=q.device, dtypes=(q.dtype,))
+    b, s = k.shape[0], k.shape[1]
+    if tuple(k.shape[2:]) != (h, d) or tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must both be [B, S, H, D] with "
+                         f"(H, D) = {(h, d)} of q")
+    if s > MAX_KV_LEN:
+        raise ValueError(f"{op}: the KV length {s} exceeds {MAX_KV_LEN} (short-KV attention)")
+    check_tensor(op, "q_offsets", q_offsets, shape=(b + 1,), device=q.device, dtypes=(torch.int32,))
+    if not isinstance(max_seq_len_q, int) or max_seq_len_q < 0:
+        raise ValueError(f"{op}: max_seq_len_q must be a non-negative int, got {max_seq_len_q!r}")
+    for name, w in (("ln_weight", ln_weight), ("ln_bias", ln_bias), ("rms_weight", rms_weight)):
+        check_tensor(op, name, w, shape=(h * d,), device=q.device, dtypes=(q.dtype, torch.float32), required=False)
+    activation_code(activation, op)
+    if not isinstance(scale, (int, float)):
+        raise ValueError(f"{op}: scale must be a number, got {scale!r}")
+
+
+def _check_offsets(op, q_offsets: Tensor, t: int, max_seq_len_q: int) -> None:
+    """Data checks of the offsets (host read: a sync on CUDA), skipped when ``CHECK_OFFSETS`` is False."""
+    if not CHECK_OFFSETS:
+        return
+    off = q_offsets.detach().to("cpu", torch.int64)
+    if int(off[0]) != 0 or int(off[-1]) != t:
+        raise ValueError(f"{op}: q_offsets must start at 0 and end at T = {t}, got {int(off[0])} .. {int(off[-1])}")
+    lengths = off[1:] - off[:-1]
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise ValueError(f"{op}: q_offsets must be non-decreasing (monotonic)")
+    if lengths.numel() and int(lengths.max()) > max_seq_len_q:
+        raise ValueError(f"{op}: a sequence has {int(lengths.max())} tokens > max_seq_len_q = {max_seq_len_q}")
+
+
+def _check_all(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation,
+               scale) -> None:
+    _check(_OP, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, activation, scale)
+    check_eps(_OP, ln_eps)
+    check_eps(_OP, rms_eps)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference (CPU implementation and the tests' oracle)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rounded(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x rounded to ``dtype`` and back (an MMA operand / a stored intermediate); gradient passes through."""
+    return x.to(dtype).to(x.dtype) if dtype != x.dtype else x
+
+
+def _jagged_index(q_offsets: Tensor, t: int) -> tuple[Tensor, Tensor, int]:
+    """(batch index [T], position in its sequence [T], longest length) of the jagged tokens."""
+    off = q_offsets.to(torch.int64)
+    lengths = off[1:] - off[:-1]
+    b = lengths.numel()
+    bidx = torch.repeat_interleave(torch.arange(b, device=off.device), lengths, output_size=t)
+    pos = torch.arange(t, device=off.device) - off[bidx]
+    max_len = int(lengths.max()) if b > 0 and t > 0 else 0
+    return bidx, pos, max_len
+
+
+def _attention(lnq_op: Tensor, k: Tensor, v: Tensor, index, activation: str, scale: float, op_dtype):
+    """Per head (S, P_op, dense [B, H, L, *] views) of S = ln_q K^T, P = act(S) * scale (rounded to op_dtype),
+    and O = P V gathered back to [T, H, D]."""
+    bidx, pos, max_len = index
+    t, h, d = lnq_op.shape
+    b = k.shape[0]
+    qp = lnq_op.new_zeros((b, max_len, h, d))
+    qp[bidx, pos] = lnq_op
+    qp = qp.transpose(1, 2)  # [B, H, L, D]
+    kt = k.to(lnq_op.dtype).transpose(1, 2)  # [B, H, S, D]
+    vt = v.to(lnq_op.dtype).transpose(1, 2)
+    s = qp @ kt.transpose(-1, -2)  # [B, H, L, S]
+    p = _rounded(act_reference(s, activation) * scale, op_dtype)
+    o = (p @ vt).transpose(1, 2)[bidx, pos]  # [T, H, D]
+    return s, p, qp, kt, vt, o
+
+
+def _weights(cd, ln_weight, ln_bias, rms_weight):
+    return tuple(w.to(cd) if w is not None else None for w in (ln_weight, ln_bias, rms_weight))
+
+
+def flash_norm_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    max_seq_len_q: int,
+    ln_weight: Optional[Tensor] = None,
+    ln_bias: Optional[Tensor] = None,
+    rms_weight: Optional[Tensor] = None,
+    ln_eps: float = 1e-5,
+    rms_eps: float = 1e-6,
+    activation: str = "fast_gelu",
+    scale: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, ln_mean, ln_rstd, rms_rstd): the block in fp32 (fp64 for an fp64 q) with the module docstring's
+    three roundings to q's dtype; differentiable by torch autograd. Statistics in the compute dtype."""
+    t, h, d = q.shape
+    cd = _compute_dtype(q.dtype)
+    w1, b1, w2 = _weights(cd, ln_weight, ln_bias, rms_weight)
+    x = q.to(cd).reshape(t, h * d)
+    mean = x.mean(1)
+    rstd = torch.rsqrt((x - mean[:, None]).square().mean(1) + ln_eps)  # two-pass variance
+    lnq = (x - mean[:, None]) * rstd[:, None]
+    if w1 is not None:
+        lnq = lnq * w1
+    if b1 is not None:
+        lnq = lnq + b1
+    lnq = lnq.reshape(t, h, d)
+    index = _jagged_index(q_offsets, t)
+    *_, attn = _attention(_rounded(lnq, q.dtype), k, v, index, activation, scale, q.dtype)
+    o = _rounded(attn + lnq, q.dtype).reshape(t, h * d)
+    rms_rstd = torch.rsqrt(o.square().mean(1) + rms_eps)
+    y = o * rms_rstd[:, None]
+    if w2 is not None:
+        y = y * w2
+    out = (y + x).reshape(t, h, d).to(q.dtype)
+    return out, mean, rstd, rms_rstd
+
+
+def flash_norm_attention_backward_reference(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    max_seq_len_q: int,
+    ln_weight: Optional[Tensor],
+    ln_bias: Optional[Tensor],
+    rms_weight: Optional[Tensor],
+    ln_mean: Tensor,
+    ln_rstd: Tensor,
+    rms_rstd: Tensor,
+    activation: str,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(dq, dk, dv, d_ln_weight, d_ln_bias, d_rms_weight) from the saved statistics, explicit formulas in fp32
+    (algorithms.md, Norms and section 5), o recomputed; gradients in their inputs' dtypes, None for a missing
+    weight. The same math as the Triton backward, for any device."""
+    t, h, d = q.shape
+    n = h * d
+    cd = _compute_dtype(q.dtype)
+    w1, b1, w2 = _weights(cd, ln_weight, ln_bias, rms_weight)
+    x = q.to(cd).reshape(t, n)
+    g = dout.to(cd).reshape(t, n)
+    mean, rstd, r2 = ln_mean.to(cd)[:, None], ln_rstd.to(cd)[:, None], rms_rstd.to(cd)[:, None]
+    lnhat = (x - mean) * rstd
+    lnq = lnhat * w1 if w1 is not None else lnhat
+    if b1 is not None:
+        lnq = lnq + b1
+    lnq3 = lnq.reshape(t, h, d)
+    lnq_op = _rounded(lnq3, q.dtype)
+    index = _jagged_index(q_offsets, t)
+    bidx, pos, max_len = index
+    s, p, qp, kt, vt, attn = _attention(lnq_op, k, v, index, activation, scale, q.dtype)
+    o = (attn + lnq3).reshape(t, n)  # recomputed (module docstring), unrounded
+    ohat = o * r2
+    # RMSNorm backward: t2 = g * w2, do = r2 * (t2 - ohat * mean(t2 * ohat)).
+    t2 = g * w2 if w2 is not None else g
+    do = r2 * (t2 - ohat * (t2 * ohat).mean(1, keepdim=True))
+    d_w2 = (g * ohat).sum(0) if w2 is not None else None
+    # Attention backward, dense per (b, h): dV = P^T dO, dP = dO V^T, dS = act'(S) * scale * dP.
+    b = k.shape[0]
+    dop = do.new_zeros((b, max_len, h, d))
+    dop[bidx, pos] = _rounded(do.reshape(t, h, d), q.dtype)
+    dop = dop.transpose(1, 2)  # [B, H, L, D]
+    dv = p.transpose(-1, -2) @ dop  # [B, H, S, D]
+    dp = dop @ vt.transpose(-1, -2)
+    ds = _rounded(act_grad_reference(s, activation) * scale * dp, q.dtype)
+    dk = ds.transpose(-1, -2) @ qp
+    dlnq = (ds @ kt).transpose(1, 2)[bidx, pos].reshape(t, n) + do  # + residual 1
+    # LayerNorm backward: t1 = dlnq * w1, dq = rstd * (t1 - mean(t1) - lnhat * mean(t1 * lnhat)), + residual 2.
+    t1 = dlnq * w1 if w1 is not None else dlnq
+    dq = rstd * (t1 - t1.mean(1, keepdim=True) - lnhat * (t1 * lnhat).mean(1, keepdim=True)) + g
+    d_w1 = (dlnq * lnhat).sum(0) if w1 is not None else None
+    d_b1 = dlnq.sum(0) if b1 is not None else None
+    cast = lambda gr, like: gr.to(like.dtype) if like is not None else None  # noqa: E731
+    return (
+        dq.reshape(t, h, d).to(q.dtype),
+        dk.transpose(1, 2).contiguous().to(k.dtype),
+        dv.transpose(1, 2).contiguous().to(v.dtype),
+        cast(d_w1, ln_weight),
+        cast(d_b1, ln_bias),
+        cast(d_w2, rms_weight),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Custom ops
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(_OP, mutates_args=())
+def flash_norm_attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    max_seq_len_q: int,
+    ln_weight: Optional[Tensor],
+    ln_bias: Optional[Tensor],
+    rms_weight: Optional[Tensor],
+    ln_eps: float,
+    rms_eps: float,
+    activation: str,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The fused block; see the module docstring. CPU: the reference."""
+    args = (q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation, scale)
+    _check_all(*args)
+    _check_offsets(_OP, q_offsets, q.shape[0], max_seq_len_q)
+    out, mean, rstd, r2 = flash_norm_attention_reference(*args)
+    return out, mean.float(), rstd.float(), r2.float()
+
+
+@flash_norm_attention_op.register_kernel("cuda")
+def _(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation, scale):
+    args = (q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation, scale)
+    _check_all(*args)
+    _check_offsets(_OP, q_offsets, q.shape[0], max_seq_len_q)
+    from .flash_norm_attention_kernels import flash_norm_attention_triton
+
+    return flash_norm_attention_triton(*args)
+
+
+@flash_norm_attention_op.register_fake
+def _(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation, scale):
+    _check_all(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation,
+               scale)
+    t = q.shape[0]
+    stat = lambda: q.new_empty((t,), dtype=torch.float32)  # noqa: E731
+    return torch.empty_like(q, memory_format=torch.contiguous_format), stat(), stat(), stat()
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation, scale = inputs
+    _, mean, rstd, r2 = output
+    # q and the statistics, never ln_q, o or out: the backward rebuilds ln_q and recomputes o.
+    ctx.save_for_backward(q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, mean, rstd, r2)
+    ctx.max_seq_len_q, ctx.activation, ctx.scale = max_seq_len_q, activation, scale
+
+
+def _backward(ctx, dout, _dmean, _drstd, _dr2):
+    q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, mean, rstd, r2 = ctx.saved_tensors
+    dq, dk, dv, dw1, db1, dw2 = flash_norm_attention_backward(
+        dout.contiguous(), q, k, v, q_offsets, ctx.max_seq_len_q, ln_weight, ln_bias, rms_weight, mean, rstd, r2,
+        ctx.activation, ctx.scale,
+    )
+    pick = lambda gr, w: gr if w is not None else None  # noqa: E731
+    return (dq, dk, dv, None, None, pick(dw1, ln_weight), pick(db1, ln_bias), pick(dw2, rms_weight),
+            None, None, None, None)
+
+
+flash_norm_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_bwd(dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_mean, ln_rstd,
+               rms_rstd, activation, scale) -> None:
+    _check(_OP_BWD, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, activation, scale)
+    check_tensor(_OP_BWD, "dout", dout, shape=tuple(q.shape), device=q.device)
+    for name, st in (("ln_mean", ln_mean), ("ln_rstd", ln_rstd), ("rms_rstd", rms_rstd)):
+        check_tensor(_OP_BWD, name, st, shape=(q.shape[0],), device=q.device, dtypes=(torch.float32,))
+
+
+def _empty_if_none(grads, like):
+    return tuple(gr if gr is not None else w_like.new_empty((0,)) for gr, w_like in zip(grads, like))
+
+
+@torch.library.custom_op(_OP_BWD, mutates_args=())
+def flash_norm_attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    max_seq_len_q: int,
+    ln_weight: Optional[Tensor],
+    ln_bias: Optional[Tensor],
+    rms_weight: Optional[Tensor],
+    ln_mean: Tensor,
+    ln_rstd: Tensor,
+    rms_rstd: Tensor,
+    activation: str,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, d_ln_weight, d_ln_bias, d_rms_weight); a missing weight's gradient is 0-size."""
+    args = (dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_mean, ln_rstd, rms_rstd,
+            activation, scale)
+    _check_bwd(*args)
+    dq, dk, dv, *dws = flash_norm_attention_backward_reference(*args)
+    return (dq, dk, dv) + _empty_if_none(dws, (q, q, q))
+
+
+@flash_norm_attention_backward.register_kernel("cuda")
+def _(dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_mean, ln_rstd, rms_rstd,
+      activation, scale):
+    args = (dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_mean, ln_rstd, rms_rstd,
+            activation, scale)
+    _check_bwd(*args)
+    from .flash_norm_attention_kernels import flash_norm_attention_backward_triton
+
+    dq, dk, dv, *dws = flash_norm_attention_backward_triton(*args)
+    return (dq, dk, dv) + _empty_if_none(dws, (q, q, q))
+
+
+@flash_norm_attention_backward.register_fake
+def _(dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_mean, ln_rstd, rms_rstd,
+      activation, scale):
+    _check_bwd(dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_mean, ln_rstd, rms_rstd,
+               activation, scale)
+    dw = [w.new_empty(w.shape) if w is not None else q.new_empty((0,)) for w in (ln_weight, ln_bias, rms_weight)]
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format), *dw)
+
+
+def flash_norm_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    max_seq_len_q: int,
+    ln_weight: Optional[Tensor] = None,
+    ln_bias: Optional[Tensor] = None,
+    rms_weight: Optional[Tensor] = None,
+    ln_eps: float = 1e-5,
+    rms_eps: float = 1e-6,
+    activation: str = "fast_gelu",
+    scale: float = 1.0,
+) -> Tensor:
+    """``out`` of ``fusenorm::flash_norm_attention`` (differentiable); see the module docstring."""
+    return flash_norm_attention_op(q, k, v, q_offsets, int(max_seq_len_q), ln_weight, ln_bias, rms_weight,
+                                   float(ln_eps), float(rms_eps), activation, float(scale))[0]
