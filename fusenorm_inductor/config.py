@@ -37,6 +37,10 @@ class patterns:
     norm_linear_fwd: bool = Config(env_name_default="FUSENORM_NORM_LINEAR_FWD", default=True)
     # norm -> linear, backward: the linear's data-gradient GEMM with the norm backward in its epilogue.
     dgrad_norm_bwd: bool = Config(env_name_default="FUSENORM_DGRAD_NORM_BWD", default=True)
+    # LayerNorm_{H*D} -> GDPA -> + ln_q -> RMSNorm_{H*D} -> + q (the FlashNormAttention block, written with
+    # fusenorm::gdpa or as the dense einsum/matmul composite): one fusenorm::flash_norm_attention call
+    # (pre-grad; pattern names attention_block and attention_block_dense).
+    attention_block: bool = Config(env_name_default="FUSENORM_ATTENTION_BLOCK", default=True)
 
 
 # Let the fused kernels for rows wider than one tile (N > 256) exchange row statistics between programs

@@ -4,7 +4,9 @@ Two stages, each an Inductor ``CustomGraphPass`` (so the FX graph cache keys on 
 
 - ``pre_grad`` (slot ``pre_grad_custom_pass``, Dynamo's torch-level graph): every LayerNorm/RMSNorm form is
   rewritten into the canonical op ``fusenorm::norm`` whose autograd calls ``fusenorm::norm_backward``. The
-  norms then reach the joint graph whole, the same on every device and torch version.
+  norms then reach the joint graph whole, the same on every device and torch version. Then the attention
+  block (LayerNorm -> GDPA -> + ln_q -> RMSNorm -> + q) becomes ``fusenorm::flash_norm_attention``: before
+  autograd, so its backward is the fused op's own (patterns/attention_block.py).
 - ``joint`` (slot ``joint_custom_pre_pass``, the ATen forward+backward graph before partitioning): the
   fusion patterns, then the decomposition of canonical ops left unfused. The *pre* slot runs before
   Inductor's own joint-graph patterns; on CUDA one of them (pad_mm) pads unaligned GEMMs into

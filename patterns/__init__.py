@@ -1,6 +1,7 @@
 """fusenorm's patterns, one named object each; ``run_stage`` applies those of a stage in order.
 
-pre_grad: canonical_layer_norm, canonical_rms_norm, canonical_llama_rms_norm (patterns/canonical_norms.py)
+pre_grad: canonical_layer_norm, canonical_rms_norm, canonical_llama_rms_norm (patterns/canonical_norms.py),
+          then attention_block, attention_block_dense (attention_block.py: they match the canonical norms)
 joint:    linear_norm_fwd (post_norm.py), norm_linear_fwd (pre_norm.py), dgrad_norm_bwd
           (dgrad_norm_backward.py), then the decomposition of canonical ops left unfused (decompose.py)
 """
@@ -12,6 +13,7 @@ import torch.fx as fx
 from fusenorm_inductor import ops  # noqa: F401  (the patterns name the custom ops)
 from fusenorm_inductor.report import GraphReport
 
+from .attention_block import PATTERNS as ATTENTION_PATTERNS
 from .canonical_norms import PRE_GRAD_PATTERNS
 from .decompose import DecomposeUnfused, decompose_all
 from .dgrad_norm_backward import DgradNormBwd
@@ -19,7 +21,9 @@ from .post_norm import LinearNormFwd
 from .pre_norm import NormLinearFwd
 
 STAGES = {
-    "pre_grad": PRE_GRAD_PATTERNS,
+    # The attention block after the canonical norms: it matches fusenorm::norm nodes, and the norms it
+    # takes are gone before the joint-graph patterns run.
+    "pre_grad": PRE_GRAD_PATTERNS + ATTENTION_PATTERNS,
     # Forward fusions first: they change what the norm backward reads, which the backward fusion keeps.
     # Post-norm before pre-norm: a norm between two linears goes to the one before it when that fuses.
     "joint": (LinearNormFwd(), NormLinearFwd(), DgradNormBwd(), DecomposeUnfused()),

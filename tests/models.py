@@ -189,3 +189,99 @@ def saved_bytes(make_model: Callable[[], nn.Module], inputs: tuple, backend: str
 
     saved = {base(o) for o in out[1:]}
     return sum(o.meta["val"].numel() * o.meta["val"].element_size() for o in saved if o.op != "placeholder")
+
+
+# ---- the FlashNormAttention (PFFN) block: LayerNorm_{H*D} -> GDPA -> + ln_q -> RMSNorm_{H*D} -> + q -----------
+
+GDPA_ACTIVATIONS = ("fast_gelu", "gelu", "silu", "relu", "raw")
+"""Activation names of ``fusenorm::gdpa``; the dense block also writes ``gelu_tanh`` (F.gelu(approximate="tanh"),
+the same function as fast_gelu, which the dense block otherwise writes out as the tanh expression)."""
+
+
+def torch_activation(s: torch.Tensor, name: str) -> torch.Tensor:
+    """The activation written in torch, as a model would: fast_gelu as the explicit tanh expression."""
+    if name == "fast_gelu":
+        return 0.5 * s * (1.0 + torch.tanh(0.7978845608028654 * (s + 0.044715 * torch.pow(s, 3.0))))
+    if name == "gelu_tanh":
+        return F.gelu(s, approximate="tanh")
+    if name == "gelu":
+        return F.gelu(s)
+    if name == "silu":
+        return F.silu(s)
+    if name == "relu":
+        return F.relu(s)
+    if name == "softmax":  # a near-miss: not elementwise
+        return torch.softmax(s, dim=-1)
+    assert name == "raw", name
+    return s
+
+
+class FlashNormAttentionBlock(nn.Module):
+    """``ln = LN_{H*D}(q)``; ``o = attention(ln, k, v) + ln``; ``out = RMS_{H*D}(o) + q``.
+
+    ``form``: "gdpa" (q jagged [T, H, D], ``fusenorm::gdpa`` with the offsets of ``lengths``), "einsum" or
+    "matmul" (q dense [B, L, H, D], the attention written in torch). ``mask``: for the dense forms, multiply o
+    by a padding mask of ``lengths`` after the first residual ("bool" or "float"). Near-misses: ``per_head``
+    (both norms over D only), ``residual1``/``residual2`` = "other" (an extra input r instead of ln_q / q),
+    ``partial`` = "ln_gdpa" (LayerNorm -> GDPA only) or "gdpa_rms" (no LayerNorm: GDPA -> + q -> RMSNorm -> + q).
+    """
+
+    def __init__(self, h: int = 2, d: int = 16, form: str = "gdpa", activation: str = "fast_gelu",
+                 scale: float = 0.5, affine: bool = True, ln_form: str = "nn.LayerNorm", rms_form: str = "nn.RMSNorm",
+                 lengths=(0, 1, 37), mask: Optional[str] = None, per_head: bool = False,
+                 residual1: str = "ln", residual2: str = "q", partial: Optional[str] = None):
+        super().__init__()
+        self.h, self.d, self.form, self.activation, self.scale = h, d, form, activation, scale
+        self.mask, self.per_head, self.residual1, self.residual2, self.partial = (
+            mask, per_head, residual1, residual2, partial)
+        n = d if per_head else h * d
+        self.ln = Norm(ln_form, n, affine)
+        self.rms = Norm(rms_form, n, affine)
+        lengths = torch.tensor(lengths, dtype=torch.int64)
+        self.max_len = int(lengths.max()) if lengths.numel() else 0
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+        self.register_buffer("offsets", offsets, persistent=False)
+        self.register_buffer("lengths", lengths, persistent=False)
+        # Unused (gradient None in every run): fwd_bwd reads the device from the parameters; plain norms have none.
+        self.device_anchor = nn.Parameter(torch.zeros(()))
+
+    def attention(self, ln, k, v):
+        if self.form == "gdpa":
+            from fusenorm_inductor.ops.gdpa import gdpa
+
+            return gdpa(ln, k, v, self.offsets, self.max_len, self.activation, self.scale)
+        if self.form == "einsum":
+            s = torch.einsum("blhd,bshd->bhls", ln, k)
+        else:
+            s = ln.transpose(1, 2) @ k.permute(0, 2, 3, 1)  # [B, H, L, D] @ [B, H, D, S]
+        p = torch_activation(s, self.activation) * self.scale
+        if self.form == "einsum":
+            return torch.einsum("bhls,bshd->blhd", p, v)
+        return (p @ v.transpose(1, 2)).permute(0, 2, 1, 3)  # [B, H, L, D] -> [B, L, H, D]
+
+    def forward(self, q, k, v, r=None):
+        lead = q.shape[:-2]
+        if self.per_head:
+            ln = self.ln(q)
+        else:
+            ln = self.ln(q.reshape(*lead, self.h * self.d)).view(*lead, self.h, self.d)
+        a = self.attention(q if self.partial == "gdpa_rms" else ln, k, v)
+        if self.partial == "ln_gdpa":
+            return a * 2.0
+        o = a + (r if self.residual1 == "other" else q if self.partial == "gdpa_rms" else ln)
+        if self.mask is not None:
+            rows = torch.arange(q.shape[1], device=q.device)[None, :] < self.lengths[:, None]  # [B, L]
+            o = o * (rows if self.mask == "bool" else rows.float() * 0.5)[..., None, None]
+        if self.per_head:
+            y = self.rms(o)
+        else:
+            y = self.rms(o.reshape(*lead, self.h * self.d)).view(*lead, self.h, self.d)
+        return y + (r if self.residual2 == "other" else q)
+
+
+def attention_inputs(form: str, h: int = 2, d: int = 16, lengths=(0, 1, 37), s: int = 24, residual: bool = False):
+    """(q, k, v[, r]) for ``FlashNormAttentionBlock``: q jagged [T, H, D] for "gdpa", else [B, max(lengths), H, D]."""
+    b = len(lengths)
+    q = torch.randn(sum(lengths), h, d) if form == "gdpa" else torch.randn(b, max(lengths), h, d)
+    k, v = torch.randn(b, s, h, d), torch.randn(b, s, h, d)
+    return (q, k, v) + ((torch.randn_like(q),) if residual else ())
