@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from . import config, ops
 from .backend import fusenorm_backend
+from .ops.flash_norm_attention import flash_norm_attention
+from .ops.gdpa import gdpa
 from .report import last_report, reports
 
 __version__ = "0.1.0"
@@ -39,4 +41,7 @@ def disable() -> None:
 if config.enabled:  # FUSENORM_ENABLE=1: enabled as soon as the package is imported
     enable()
 
-__all__ = ["enable", "disable", "config", "ops", "fusenorm_backend", "last_report", "reports", "__version__"]
+__all__ = [
+    "enable", "disable", "config", "ops", "fusenorm_backend", "last_report", "reports", "gdpa",
+    "flash_norm_attention", "__version__",
+]

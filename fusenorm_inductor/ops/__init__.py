@@ -4,11 +4,17 @@
 - ``mm_norm``: GEMM with the norm in its epilogue, the post-norm forward (mm_norm.py);
 - ``mm_norm_backward``: data-gradient GEMM with the norm backward in its epilogue (mm_norm_backward.py);
 - ``norm_mm`` / ``mm_normed``: the pre-norm forward (norm -> linear, the norm applied lazily in the GEMM)
-  and the linear's weight gradient with the normalized input rebuilt from the row statistics (norm_mm.py).
+  and the linear's weight gradient with the normalized input rebuilt from the row statistics (norm_mm.py);
+- ``gdpa`` / ``gdpa_backward``: generalized dot-product attention (an activation instead of softmax) over
+  jagged Q and short dense K/V (gdpa.py);
+- ``flash_norm_attention`` / ``flash_norm_attention_backward``: the PFFN block, LayerNorm -> GDPA -> + ln_q ->
+  RMSNorm -> + q with both norms over all heads, in one kernel (flash_norm_attention.py).
 Each module holds the op's reference (its CPU implementation and the tests' oracle); the Triton kernels
 and launchers are in ``*_kernels.py`` and are imported only when a CUDA tensor reaches the op.
 """
 
+from .flash_norm_attention import flash_norm_attention, flash_norm_attention_reference
+from .gdpa import gdpa, gdpa_reference
 from .mm_norm import mm_norm, mm_norm_reference
 from .mm_norm_backward import mm_norm_backward, mm_norm_backward_reference
 from .norm import norm, norm_backward, norm_backward_reference, norm_reference
@@ -27,4 +33,8 @@ __all__ = [
     "norm_mm_reference",
     "mm_normed",
     "mm_normed_reference",
+    "gdpa",
+    "gdpa_reference",
+    "flash_norm_attention",
+    "flash_norm_attention_reference",
 ]
