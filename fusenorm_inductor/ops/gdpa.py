@@ -27,8 +27,9 @@ them back is a host sync per call (per step, forward and backward), and no shape
 kernels clamp each sequence's [start, end) into [0, T], so bad offsets cannot make them read or write outside
 q and O (the result is then wrong, not a memory error; rows past start + max_seq_len_q stay unwritten). Set
 ``VALIDATE_CUDA_OFFSETS = True`` to check them on CUDA too, at the cost of that sync.
-The kernels need D a power of two in [16, 128] (tl.dot needs >= 16; 64 and 128 are the tuned sizes); the
-references take any D. Non-contiguous inputs are made contiguous by the CUDA launcher (a copy); outputs are
+The kernels need D a power of two in [16, 128] (tl.dot needs >= 16; 64 and 128 are the tuned sizes); other
+head dims on CUDA run the references with torch ops on the GPU (correct, slower, and the offsets read on the
+host: a sync). Non-contiguous inputs are made contiguous by the CUDA launcher (a copy); outputs are
 contiguous everywhere.
 """
 
@@ -68,8 +69,6 @@ def _check(op: str, q, k, v, q_offsets, max_seq_len_q, activation, scale, *, val
     activation_code(activation, op)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"{op}: scale must be a finite number, got {scale!r}")
-    if q.device.type == "cuda" and d not in CUDA_HEAD_DIMS:
-        raise ValueError(f"{op}: head dim D = {d} is not supported by the CUDA kernels (D in {CUDA_HEAD_DIMS})")
     if values:
         _check_offsets(op, q_offsets, t, max_seq_len_q)
 
@@ -169,6 +168,9 @@ def gdpa(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
 
 @gdpa.register_kernel("cuda")
 def _(q, k, v, q_offsets, max_seq_len_q, activation="fast_gelu", scale=1.0):
+    if q.shape[2] not in CUDA_HEAD_DIMS:  # no kernel for this head dim: the reference, on the GPU
+        _check(_OP, q, k, v, q_offsets, max_seq_len_q, activation, scale, values=True)
+        return gdpa_reference(q, k, v, q_offsets, max_seq_len_q, activation, scale)
     _check(_OP, q, k, v, q_offsets, max_seq_len_q, activation, scale, values=VALIDATE_CUDA_OFFSETS)
     from .gdpa_kernels import gdpa_fwd_triton
 
@@ -208,8 +210,11 @@ def gdpa_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_offsets: Tens
 
 @gdpa_backward.register_kernel("cuda")
 def _(dout, q, k, v, q_offsets, max_seq_len_q, activation, scale):
-    _check(_OP_BWD, q, k, v, q_offsets, max_seq_len_q, activation, scale, values=VALIDATE_CUDA_OFFSETS)
     check_tensor(_OP_BWD, "dout", dout, shape=q.shape, device=q.device, dtypes=(q.dtype,))
+    if q.shape[2] not in CUDA_HEAD_DIMS:  # no kernel for this head dim: the reference, on the GPU
+        _check(_OP_BWD, q, k, v, q_offsets, max_seq_len_q, activation, scale, values=True)
+        return gdpa_backward_reference(dout, q, k, v, q_offsets, max_seq_len_q, activation, scale)
+    _check(_OP_BWD, q, k, v, q_offsets, max_seq_len_q, activation, scale, values=VALIDATE_CUDA_OFFSETS)
     from .gdpa_kernels import gdpa_bwd_triton
 
     return gdpa_bwd_triton(dout, q, k, v, q_offsets, max_seq_len_q, activation, scale)
