@@ -127,8 +127,10 @@ def _timed(bench: gn.Bench, direction: str, fn, inputs: list[torch.Tensor]) -> d
             return bench.measure(lambda: fn(*inputs))
     leaves = [t.detach().requires_grad_() for t in inputs]
     out = fn(*leaves)
-    torch.manual_seed(1)  # the same upstream gradient for every implementation (max_abs_diff compares dq)
-    grad = torch.randn_like(out)
+    # The same upstream gradient for every implementation (max_abs_diff compares dq), drawn on the CPU: after
+    # a failed CUDA-graph capture the CUDA generator refuses to advance ("Offset increment outside graph
+    # capture"), which cost the first H200 run its backward baselines.
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
     return bench.measure(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True))
 
 
