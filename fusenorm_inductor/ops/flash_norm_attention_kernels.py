@@ -9,7 +9,8 @@ registers (row sums) or a [BLOCK_M, D] tile per head written to global memory by
 it after a CTA barrier (it stays in L2: one tile is BLOCK_M * H * D * 2 bytes, 64 KiB at BLOCK_M = 64,
 H*D = 512, ~8.5 MiB for 132 resident programs against a 60 MB L2).
 
-Forward, program (Q tile m, sequence b), grid (cdiv(max_seq_len_q, BLOCK_M), B):
+Forward, program (Q tile m, sequence b), a 1-D grid of B * cdiv(max_seq_len_q, BLOCK_M) programs, the Q tiles of a
+sequence adjacent (they share its K/V in L2; 1-D: no 65535 limit on B):
   pass 1, heads h: read q_h, LayerNorm row sums, shifted by p = q[t, 0, 0] (s1 = sum(q - p), s2 = sum(q - p)^2:
           one-pass variance without E[x^2] - E[x]^2's cancellation when |mean| >> std) -> mean, rstd.
   pass 2, heads h: ln_q_h = (q_h - mean) * rstd (* g1 + b1) in registers; o_h = sum over S tiles of
@@ -134,16 +135,17 @@ def _attend(lnq_op, k_ptr, v_ptr, k_base, v_base, S, sk_s, sk_d, sv_s, sv_d, dco
 @triton.jit
 def _fna_fwd_kernel(
     q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, w2_ptr, out_ptr, stage_ptr, mean_ptr, rstd_ptr, r2_ptr,
-    H, D, S,
+    H, D, S, n_m,
     sq_t, sq_h, sq_d, sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d,
     ln_eps, rms_eps, scale,
     ACT: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_W2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """Q tile program_id(0) of sequence program_id(1), all heads (module docstring, forward passes 1-3).
+    """Q tile pid % n_m of sequence pid // n_m, all heads (module docstring, forward passes 1-3).
     out and the stage are contiguous [T, H, D]; q, k, v any strides."""
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)  # b * stride_b must not overflow int32
+    pid = tl.program_id(0)
+    pid_m = pid % n_m
+    b = (pid // n_m).to(tl.int64)  # b * stride_b must not overflow int32
     start = tl.load(off_ptr + b).to(tl.int64)
     end = tl.load(off_ptr + b + 1).to(tl.int64)
     row0 = start + pid_m * BLOCK_M
@@ -194,11 +196,12 @@ def _fna_bwd_kernel(
     ACT: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_W2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """Gradients of Q tile program_id(0) of sequence program_id(1) (module docstring, backward passes A-C).
+    """Gradients of Q tile pid % n_m of sequence pid // n_m (module docstring, backward passes A-C).
     o_buf, dl_buf, dq: contiguous [T, H, D] (scratch fp32, fp32, q's dtype); dk, dv: zeroed fp32 [B, S, H, D],
     atomically accumulated; pw1/pb1/pw2: zeroed fp32 [B * n_m, H * D] per-program column sums."""
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)  # b * stride_b must not overflow int32
+    pid = tl.program_id(0)
+    pid_m = pid % n_m
+    b = (pid // n_m).to(tl.int64)  # b * stride_b must not overflow int32
     start = tl.load(off_ptr + b).to(tl.int64)
     end = tl.load(off_ptr + b + 1).to(tl.int64)
     row0 = start + pid_m * BLOCK_M
@@ -337,9 +340,9 @@ def flash_norm_attention_triton(
     if t == 0 or max_seq_len_q == 0:
         return out, mean, rstd, r2
     stage = out if config.stage == "out" else _alloc((t, h, d), f32, dev)
-    grid = (triton.cdiv(max_seq_len_q, config.block_m), k.shape[0])
-    _fna_fwd_kernel[grid](
-        q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, out, stage, mean, rstd, r2,
+    n_m = triton.cdiv(max_seq_len_q, config.block_m)
+    _fna_fwd_kernel[(k.shape[0] * n_m,)](
+        q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, out, stage, mean, rstd, r2, n_m=n_m,
         ln_eps=float(ln_eps), rms_eps=float(rms_eps), scale=float(scale),
         HAS_W1=ln_weight is not None, HAS_B1=ln_bias is not None, HAS_W2=rms_weight is not None,
         **_common(q, k, v, config, activation),
@@ -368,7 +371,7 @@ def flash_norm_attention_backward_triton(
     if n_m > 0:
         o_buf = _alloc((t, h, d), f32, dev)
         dl_buf = _alloc((t, h, d), f32, dev)
-        _fna_bwd_kernel[(n_m, bsz)](
+        _fna_bwd_kernel[(bsz * n_m,)](
             q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, dout, ln_mean, ln_rstd, rms_rstd,
             o_buf, dl_buf, dq, dk_acc, dv_acc, *parts,
             n_m=n_m, sg_t=dout.stride(0), sg_h=dout.stride(1), sg_d=dout.stride(2), scale=float(scale),
