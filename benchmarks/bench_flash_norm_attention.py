@@ -152,6 +152,8 @@ def run_point(case: Case, direction: str, bench: gn.Bench, ceilings: dict, dense
         try:
             res = _timed(bench, direction, fn, inputs)
             row[f"t_{name}_ms"], row[f"peak_{name}_mib"] = res["ms"], res["peak_mib"]
+            if res["note"]:  # e.g. the CUDA-graph timer failed and do_bench timed it (launches included)
+                row[f"note_{name}"] = res["note"]
             outs[name] = res["out"]
         except Exception as e:  # noqa: BLE001 (one failing implementation is recorded, the rest still run)
             row[f"error_{name}"] = f"{type(e).__name__}: {str(e)[:300]}"
