@@ -337,3 +337,21 @@ def test_cuda_bf16(h):
     args = (torch.ones_like(out), q, k, v, off, max_len, *ws, *want[1:], "silu", SCALE)
     for name, gg, ww in zip("q k v w1 b1 w2".split(), grads, fna.flash_norm_attention_backward_reference(*args)):
         _close(gg, ww, BF16, 16, name)
+
+
+def test_offset_check_skipped_only_while_capturing(monkeypatch):
+    """The host read of the offsets is skipped while a CUDA graph is captured (not allowed there) and when
+    CHECK_OFFSETS is off; otherwise bad offsets raise. (Capture is simulated: the check's own logic.)"""
+
+    class CudaOffsets:  # what _check_offsets reads of a CUDA tensor before deciding to skip
+        is_cuda = True
+
+    bad = torch.tensor([0, 5, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        fna._check_offsets("op", bad, 3, 8)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    fna._check_offsets("op", CudaOffsets(), 3, 8)  # capturing: no host read (it would fail on this object)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        fna._check_offsets("op", bad, 3, 8)  # a CPU tensor is never "captured"
+    monkeypatch.setattr(fna, "CHECK_OFFSETS", False)
+    fna._check_offsets("op", bad, 3, 8)

@@ -37,7 +37,7 @@ The recompute costs P V once more per head (the backward needs S = ln_q K^T for 
 
 Offsets: int32 [B+1], q_offsets[0] == 0, non-decreasing, q_offsets[-1] == T, every length <= max_seq_len_q
 (the kernels' grid covers max_seq_len_q rows per sequence). Checking them reads the offsets on the host
-(a device sync on CUDA); ``CHECK_OFFSETS = False`` skips it (e.g. under CUDA graphs).
+(a device sync on CUDA; skipped while a CUDA graph is captured); ``CHECK_OFFSETS = False`` skips it always.
 """
 
 from __future__ import annotations
@@ -96,8 +96,10 @@ def _check(op, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight
 
 
 def _check_offsets(op, q_offsets: Tensor, t: int, max_seq_len_q: int) -> None:
-    """Data checks of the offsets (host read: a sync on CUDA), skipped when ``CHECK_OFFSETS`` is False."""
-    if not CHECK_OFFSETS:
+    """Data checks of the offsets (host read: a sync on CUDA), skipped when ``CHECK_OFFSETS`` is False and
+    while a CUDA graph is being captured (a host read is not allowed there: under ``mode="reduce-overhead"``
+    the op runs uncaptured first, and is checked then)."""
+    if not CHECK_OFFSETS or (q_offsets.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     off = q_offsets.detach().to("cpu", torch.int64)
     if int(off[0]) != 0 or int(off[-1]) != t:
