@@ -22,6 +22,11 @@ S = 128, D = 128; the dense baseline at H = 8, Lmax = 3000 needs ~40 GB):
     python benchmarks/bench_flash_norm_attention.py --out benchmarks/results/flash_norm_attention_h200.json
     python benchmarks/bench_flash_norm_attention.py --dry-run      # CPU, tiny shapes: checks the calls only
 ``--H``, ``--lmax``, ``--dirs``, ``--batch`` narrow the grid; ``--resume`` keeps the rows already in --out.
+The whole grid compiles two Inductor baselines per point and direction: on two GPUs, split it and merge:
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_flash_norm_attention.py --shard 0/2 --out /tmp/fna0.json &
+    CUDA_VISIBLE_DEVICES=1 python benchmarks/bench_flash_norm_attention.py --shard 1/2 --out /tmp/fna1.json &
+    wait; python benchmarks/bench_flash_norm_attention.py --merge /tmp/fna0.json /tmp/fna1.json \
+        --out benchmarks/results/flash_norm_attention_h200.json
 """
 
 from __future__ import annotations
@@ -249,6 +254,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (times meaningless)")
+    p.add_argument("--shard", default="0/1", help="i/n: measure every n-th (H, Lmax) pair from the i-th")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="merge partial runs (--shard) into --out, plot")
     a = p.parse_args(argv)
     dry = a.dry_run
     a.batch = a.batch or (3 if dry else 768)
@@ -261,8 +268,28 @@ def parse_args(argv=None):
     return a
 
 
+def pairs(args) -> list[tuple[int, int]]:
+    """The (H, Lmax) pairs of this shard, costly ones (large H * Lmax) spread over the shards."""
+    i, n = map(int, args.shard.split("/"))
+    if not 0 <= i < n:
+        raise SystemExit(f"--shard {args.shard}: expected i/n with 0 <= i < n")
+    every = sorted(((h, lmax) for h in args.H for lmax in args.lmax), key=lambda p: p[0] * p[1])
+    return every[i::n]
+
+
+def merge_runs(paths: list[str], out: str) -> None:
+    data = gn.merge(paths, key=lambda r: (r["H"], r["Lmax"], r["dir"]))
+    data["summary"] = summarize(data["rows"])
+    gn.write_json(out, data)
+    print(data["summary"])
+    plot(data, gn.png_path(out))
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.merge:
+        merge_runs(args.merge, args.out)
+        return
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --dry-run)")
@@ -295,23 +322,22 @@ def main(argv=None) -> None:
                   "activation": "fast_gelu", "scale": 1.0, "ln_eps": LN_EPS, "rms_eps": RMS_EPS},
     }
     rows = list(done.values())
-    for h in args.H:
-        for lmax in args.lmax:
-            case = None
-            for d in args.dirs:
-                if (h, lmax, d) in done:
-                    continue
-                case = case or Case(args.batch, args.skv, h, args.dim, lmax, args.sparsity, device)
-                t0 = time.time()
-                torch._dynamo.reset()
-                r = run_point(case, d, bench, ceilings, dense=not args.no_dense)
-                r["point_s"] = time.time() - t0
-                print(line(r), flush=True)
-                rows.append(r)
-                gn.write_json(args.out, {"meta": meta, "rows": rows, "summary": summarize(rows)}, quiet=True)
-            case = None
-            if device == "cuda":
-                torch.cuda.empty_cache()
+    for h, lmax in pairs(args):  # one (H, Lmax) pair: its inputs are shared by both directions
+        case = None
+        for d in args.dirs:
+            if (h, lmax, d) in done:
+                continue
+            case = case or Case(args.batch, args.skv, h, args.dim, lmax, args.sparsity, device)
+            t0 = time.time()
+            torch._dynamo.reset()
+            r = run_point(case, d, bench, ceilings, dense=not args.no_dense)
+            r["point_s"] = time.time() - t0
+            print(line(r), flush=True)
+            rows.append(r)
+            gn.write_json(args.out, {"meta": meta, "rows": rows, "summary": summarize(rows)}, quiet=True)
+        case = None
+        if device == "cuda":
+            torch.cuda.empty_cache()
     data = {"meta": meta, "rows": rows, "summary": summarize(rows)}
     gn.write_json(args.out, data)
     print(data["summary"])
