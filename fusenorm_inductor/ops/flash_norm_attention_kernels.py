@@ -150,8 +150,16 @@ def _fna_fwd_kernel(
     end = tl.load(off_ptr + b + 1).to(tl.int64)
     row0 = start + pid_m * BLOCK_M
     if row0 < end:  # Q tiles past the sequence's end have nothing to do
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < end
+        # Pointers rebased at the tile's first row (int64 scalars), rows local to the tile (int32): [BLOCK_M,
+        # BLOCK_D] tiles of int64 offsets cost two registers per element and made the kernels spill.
+        q_ptr += row0 * sq_t
+        out_ptr += row0 * (H * D)
+        stage_ptr += row0 * (H * D)
+        mean_ptr += row0
+        rstd_ptr += row0
+        r2_ptr += row0
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < (end - row0).to(tl.int32)
         dcols = tl.arange(0, BLOCK_D)
         d_ok = dcols < D
         mask = row_ok[:, None] & d_ok[None, :]
@@ -206,8 +214,17 @@ def _fna_bwd_kernel(
     end = tl.load(off_ptr + b + 1).to(tl.int64)
     row0 = start + pid_m * BLOCK_M
     if row0 < end:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < end
+        # Pointers rebased at the tile's first row, rows local to the tile (int32): see the forward kernel.
+        q_ptr += row0 * sq_t
+        dout_ptr += row0 * sg_t
+        o_buf += row0 * (H * D)
+        dl_buf += row0 * (H * D)
+        dq_ptr += row0 * (H * D)
+        mean_ptr += row0
+        rstd_ptr += row0
+        r2_ptr += row0
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < (end - row0).to(tl.int32)
         dcols = tl.arange(0, BLOCK_D)
         d_ok = dcols < D
         mask = row_ok[:, None] & d_ok[None, :]
@@ -249,7 +266,9 @@ def _fna_bwd_kernel(
             lnq_op = lnq.to(op_ty)
             k_base = b * sk_b + h * sk_h
             v_base = b * sv_b + h * sv_h
-            kv_base = b * S * n + h * D  # dk/dv buffers: contiguous [B, S, H, D]
+            kv_base = b * S * n + h * D  # dk/dv buffers: contiguous [B, S, H, D]; int64 scalar, int32 tiles
+            dk_head = dk_ptr + kv_base
+            dv_head = dv_ptr + kv_base
             dlnq = do  # residual 1
             for n0 in range(0, S, BLOCK_N):
                 ns = n0 + tl.arange(0, BLOCK_N)
@@ -263,10 +282,10 @@ def _fna_bwd_kernel(
                 dlnq = tl.dot(ds_op, kt, dlnq, input_precision=INPUT_PRECISION)
                 dv_t = tl.dot(tl.trans(p_op), do_op, input_precision=INPUT_PRECISION)
                 dk_t = tl.dot(tl.trans(ds_op), lnq_op, input_precision=INPUT_PRECISION)
-                kv_ptrs = kv_base + ns[:, None] * n + dcols[None, :]
+                kv_offs = ns[:, None] * n + dcols[None, :]
                 kv_mask = n_ok[:, None] & d_ok[None, :]
-                tl.atomic_add(dv_ptr + kv_ptrs, dv_t, mask=kv_mask)
-                tl.atomic_add(dk_ptr + kv_ptrs, dk_t, mask=kv_mask)
+                tl.atomic_add(dv_head + kv_offs, dv_t, mask=kv_mask)
+                tl.atomic_add(dk_head + kv_offs, dk_t, mask=kv_mask)
             tl.store(_head_ptrs(dl_buf, rows, h, dcols, n, D, 1), dlnq, mask=mask)
             t1 = dlnq
             if HAS_W1:
@@ -301,14 +320,19 @@ def _alloc(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 def fna_config(q: Tensor, k: Tensor, backward: bool = False) -> FnaConfig:
-    """The default tile: on CUDA, Q tiles of 64 tokens, S tiles of up to 64, 4 warps forward and 8 backward
-    (it holds ~5 [BLOCK_M, D] fp32 tiles): a first guess, not yet measured on the H200. In the interpreter
+    """The default tile: on CUDA, Q tiles of 64 tokens and 8 warps; S tiles of up to 64 (forward with
+    D = 128: 32). Chosen by register spills of an offline sm_90 compile (bf16, cuobjdump -res-usage; not
+    timed yet): the forward at 64 x 64 x 4 warps, the first guess, spilled 1.2 KB (D = 64) / 3.2 KB (D = 128)
+    of stack per thread, at 8 warps 8 B / 0.6 KB with 32-wide S tiles. The backward (8 warps) still spills
+    0.8 KB / 3.5 KB: it holds ~10 [BLOCK_M, D] tiles per head (docs/design.md, Attention). In the interpreter
     (CPU tensors) 16 x 16 tiles, so small test sequences span several Q and S tiles."""
     s = k.shape[1]
     block_n = min(64, pow2_at_least(s))
     if q.device.type != "cuda":
         return FnaConfig(16, min(16, block_n), 4)
-    return FnaConfig(64, block_n, 8 if backward else 4)
+    if not backward and q.shape[2] > 64:
+        block_n = min(block_n, 32)
+    return FnaConfig(64, block_n, 8)
 
 
 def _common(q: Tensor, k: Tensor, v: Tensor, config: FnaConfig, activation: str):
