@@ -12,7 +12,7 @@ import fusenorm_inductor
 from fusenorm_inductor import config
 
 from .models import (
-    GDPA_ACTIVATIONS, FlashNormAttentionBlock, assert_matches_eager, attention_inputs, fusenorm_counts,
+    GDPA_ACTIVATIONS, FlashNormAttentionBlock, assert_matches_eager, attention_inputs, fusenorm_counts, saved_bytes,
 )
 
 fusenorm = torch.ops.fusenorm
@@ -72,6 +72,17 @@ def test_gdpa_block_fused(activation, affine, device):
     (rw,) = rewrites("attention_block")
     assert f"activation={activation}" in rw.detail and "scale=0.5" in rw.detail
     assert ("ln affine=weight+bias" if affine else "ln affine=no") in rw.detail
+
+
+def test_gdpa_block_saves_less_than_unfused(device):
+    """The fused block saves q, k, v and three [T] statistics (inputs and parameters are not new memory);
+    Inductor's graph saves at least ln_q and the RMSNorm's input besides: two [T, H, D] tensors more."""
+    make = lambda: FlashNormAttentionBlock(2, 16, "gdpa", "fast_gelu", 0.5, True)  # noqa: E731
+    inputs = attention_inputs("gdpa")
+    unfused, fused = saved_bytes(make, inputs, "inductor", device), saved_bytes(make, inputs, "fusenorm", device)
+    t, h, d = inputs[0].shape
+    assert fused <= unfused - 2 * t * h * d * 4, (fused, unfused)
+    assert fused <= 3 * t * 4, fused  # the statistics only
 
 
 @pytest.mark.parametrize("ln_form,rms_form", [("nn.LayerNorm", "nn.RMSNorm"), ("F.layer_norm", "F.rms_norm"),
