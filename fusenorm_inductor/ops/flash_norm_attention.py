@@ -47,8 +47,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._validate import check_eps, check_tensor
-from .activations import act_grad_reference, act_reference, activation_code
+from ._validate import check_eps, check_jagged_attention, check_offsets_values, check_tensor
+from .activations import act_grad_reference, act_reference
 
 __all__ = [
     "flash_norm_attention",
@@ -77,20 +77,11 @@ def _check(op, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight
     t, h, d = q.shape
     if h == 0 or d == 0:
         raise ValueError(f"{op}: q is {tuple(q.shape)}: the norms need at least one feature (H*D > 0)")
-    check_tensor(op, "k", k, ndim=4, device=q.device, dtypes=(q.dtype,))
-    check_tensor(op, "v", v, ndim=4, device=q.device, dtypes=(q.dtype,))
-    b, s = k.shape[0], k.shape[1]
-    if tuple(k.shape[2:]) != (h, d) or tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must both be [B, S, H, D] with "
-                         f"(H, D) = {(h, d)} of q")
-    if s > MAX_KV_LEN:
-        raise ValueError(f"{op}: the KV length {s} exceeds {MAX_KV_LEN} (short-KV attention)")
-    check_tensor(op, "q_offsets", q_offsets, shape=(b + 1,), device=q.device, dtypes=(torch.int32,))
-    if not isinstance(max_seq_len_q, int) or max_seq_len_q < 0:
-        raise ValueError(f"{op}: max_seq_len_q must be a non-negative int, got {max_seq_len_q!r}")
+    check_jagged_attention(op, q, k, v, q_offsets, max_seq_len_q, activation)
+    if k.shape[1] > MAX_KV_LEN:
+        raise ValueError(f"{op}: the KV length {k.shape[1]} exceeds {MAX_KV_LEN} (short-KV attention)")
     for name, w in (("ln_weight", ln_weight), ("ln_bias", ln_bias), ("rms_weight", rms_weight)):
         check_tensor(op, name, w, shape=(h * d,), device=q.device, dtypes=(q.dtype, torch.float32), required=False)
-    activation_code(activation, op)
     if not isinstance(scale, (int, float)):
         raise ValueError(f"{op}: scale must be a number, got {scale!r}")
 
@@ -101,14 +92,7 @@ def _check_offsets(op, q_offsets: Tensor, t: int, max_seq_len_q: int) -> None:
     the op runs uncaptured first, and is checked then)."""
     if not CHECK_OFFSETS or (q_offsets.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
-    off = q_offsets.detach().to("cpu", torch.int64)
-    if int(off[0]) != 0 or int(off[-1]) != t:
-        raise ValueError(f"{op}: q_offsets must start at 0 and end at T = {t}, got {int(off[0])} .. {int(off[-1])}")
-    lengths = off[1:] - off[:-1]
-    if lengths.numel() and int(lengths.min()) < 0:
-        raise ValueError(f"{op}: q_offsets must be non-decreasing (monotonic)")
-    if lengths.numel() and int(lengths.max()) > max_seq_len_q:
-        raise ValueError(f"{op}: a sequence has {int(lengths.max())} tokens > max_seq_len_q = {max_seq_len_q}")
+    check_offsets_values(op, q_offsets, t, max_seq_len_q)
 
 
 def _check_all(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation,

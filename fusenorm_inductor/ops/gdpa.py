@@ -40,8 +40,8 @@ import math
 import torch
 from torch import Tensor
 
-from ._validate import FLOAT_DTYPES, check_tensor
-from .activations import act_grad_reference, act_reference, activation_code
+from ._validate import check_jagged_attention, check_offsets_values, check_tensor
+from .activations import act_grad_reference, act_reference
 
 __all__ = ["gdpa", "gdpa_reference", "gdpa_backward", "gdpa_backward_reference", "VALIDATE_CUDA_OFFSETS"]
 
@@ -55,40 +55,11 @@ VALIDATE_CUDA_OFFSETS = False
 
 def _check(op: str, q, k, v, q_offsets, max_seq_len_q, activation, scale, *, values: bool) -> None:
     """Raise a clear error for malformed inputs; ``values``: also check the offsets' values (reads them)."""
-    check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    t, h, d = q.shape
-    check_tensor(op, "k", k, ndim=4, device=q.device, dtypes=(q.dtype,))
-    check_tensor(op, "v", v, ndim=4, device=q.device, dtypes=(q.dtype,))
-    if tuple(k.shape[2:]) != (h, d):
-        raise ValueError(f"{op}: q is [T, H, D] = {tuple(q.shape)}, k is {tuple(k.shape)}: expected [B, S, {h}, {d}]")
-    if v.shape != k.shape:
-        raise ValueError(f"{op}: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    check_tensor(op, "q_offsets", q_offsets, shape=(k.shape[0] + 1,), device=q.device, dtypes=(torch.int32,))
-    if isinstance(max_seq_len_q, bool) or not isinstance(max_seq_len_q, int) or max_seq_len_q < 0:
-        raise ValueError(f"{op}: max_seq_len_q must be a non-negative int, got {max_seq_len_q!r}")
-    activation_code(activation, op)
+    check_jagged_attention(op, q, k, v, q_offsets, max_seq_len_q, activation)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"{op}: scale must be a finite number, got {scale!r}")
-    if values:
-        _check_offsets(op, q_offsets, t, max_seq_len_q)
-
-
-def _check_offsets(op: str, q_offsets: Tensor, t: int, max_seq_len_q: int) -> None:
-    """The offsets' values: start at 0, non-decreasing, end at T, no length above max_seq_len_q."""
-    offs = q_offsets.cpu()  # a host sync on CUDA (only with VALIDATE_CUDA_OFFSETS)
-    if offs[0].item() != 0:
-        raise ValueError(f"{op}: q_offsets[0] must be 0, got {offs[0].item()}")
-    if offs[-1].item() != t:
-        raise ValueError(f"{op}: q_offsets[-1] = {offs[-1].item()} must equal T = q.shape[0] = {t}")
-    lengths = offs[1:] - offs[:-1]
-    if lengths.numel():
-        if (lengths < 0).any():
-            i = int((lengths < 0).nonzero()[0])
-            raise ValueError(f"{op}: q_offsets must be non-decreasing, but q_offsets[{i + 1}] = "
-                             f"{offs[i + 1].item()} < q_offsets[{i}] = {offs[i].item()}")
-        longest = int(lengths.max())
-        if longest > max_seq_len_q:
-            raise ValueError(f"{op}: a sequence has {longest} tokens but max_seq_len_q = {max_seq_len_q}")
+    if values:  # a host sync on CUDA (only with VALIDATE_CUDA_OFFSETS, or without a kernel for D)
+        check_offsets_values(op, q_offsets, q.shape[0], max_seq_len_q)
 
 
 def _dims(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:
