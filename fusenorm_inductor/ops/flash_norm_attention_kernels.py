@@ -133,6 +133,24 @@ def _attend(lnq_op, k_ptr, v_ptr, k_base, v_base, S, sk_s, sk_d, sv_s, sv_d, dco
 
 
 @triton.jit
+def _q_tile(off_ptr, n_m, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's Q tile: tile pid % n_m of sequence b = pid // n_m (a 1-D grid, a sequence's tiles
+    adjacent). Returns b and row0 (int64), n_rows (int32, <= 0 past the sequence's end: nothing to do), and the
+    tile's local rows (int32), column indices and masks."""
+    pid = tl.program_id(0)
+    b = (pid // n_m).to(tl.int64)  # b * stride_b must not overflow int32
+    start = tl.load(off_ptr + b).to(tl.int64)
+    end = tl.load(off_ptr + b + 1).to(tl.int64)
+    row0 = start + (pid % n_m) * BLOCK_M
+    n_rows = (end - row0).to(tl.int32)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    dcols = tl.arange(0, BLOCK_D)
+    d_ok = dcols < D
+    return b, row0, n_rows, rows, row_ok, dcols, d_ok, row_ok[:, None] & d_ok[None, :]
+
+
+@triton.jit
 def _fna_fwd_kernel(
     q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, w2_ptr, out_ptr, stage_ptr, mean_ptr, rstd_ptr, r2_ptr,
     H, D, S, n_m,
@@ -143,13 +161,8 @@ def _fna_fwd_kernel(
 ):
     """Q tile pid % n_m of sequence pid // n_m, all heads (module docstring, forward passes 1-3).
     out and the stage are contiguous [T, H, D]; q, k, v any strides."""
-    pid = tl.program_id(0)
-    pid_m = pid % n_m
-    b = (pid // n_m).to(tl.int64)  # b * stride_b must not overflow int32
-    start = tl.load(off_ptr + b).to(tl.int64)
-    end = tl.load(off_ptr + b + 1).to(tl.int64)
-    row0 = start + pid_m * BLOCK_M
-    if row0 < end:  # Q tiles past the sequence's end have nothing to do
+    b, row0, n_rows, rows, row_ok, dcols, d_ok, mask = _q_tile(off_ptr, n_m, D, BLOCK_M, BLOCK_D)
+    if n_rows > 0:  # Q tiles past the sequence's end have nothing to do
         # Pointers rebased at the tile's first row (int64 scalars), rows local to the tile (int32): [BLOCK_M,
         # BLOCK_D] tiles of int64 offsets cost two registers per element and made the kernels spill.
         q_ptr += row0 * sq_t
@@ -158,11 +171,6 @@ def _fna_fwd_kernel(
         mean_ptr += row0
         rstd_ptr += row0
         r2_ptr += row0
-        rows = tl.arange(0, BLOCK_M)
-        row_ok = rows < (end - row0).to(tl.int32)
-        dcols = tl.arange(0, BLOCK_D)
-        d_ok = dcols < D
-        mask = row_ok[:, None] & d_ok[None, :]
         n = H * D
         # Pass 1: LayerNorm statistics over all heads.
         mean, rstd = _ln_stats(q_ptr, rows, row_ok, dcols, d_ok, H, D, sq_t, sq_h, sq_d, ln_eps, BLOCK_M)
@@ -207,13 +215,8 @@ def _fna_bwd_kernel(
     """Gradients of Q tile pid % n_m of sequence pid // n_m (module docstring, backward passes A-C).
     o_buf, dl_buf, dq: contiguous [T, H, D] (scratch fp32, fp32, q's dtype); dk, dv: zeroed fp32 [B, S, H, D],
     atomically accumulated; pw1/pb1/pw2: zeroed fp32 [B * n_m, H * D] per-program column sums."""
-    pid = tl.program_id(0)
-    pid_m = pid % n_m
-    b = (pid // n_m).to(tl.int64)  # b * stride_b must not overflow int32
-    start = tl.load(off_ptr + b).to(tl.int64)
-    end = tl.load(off_ptr + b + 1).to(tl.int64)
-    row0 = start + pid_m * BLOCK_M
-    if row0 < end:
+    b, row0, n_rows, rows, row_ok, dcols, d_ok, mask = _q_tile(off_ptr, n_m, D, BLOCK_M, BLOCK_D)
+    if n_rows > 0:
         # Pointers rebased at the tile's first row, rows local to the tile (int32): see the forward kernel.
         q_ptr += row0 * sq_t
         dout_ptr += row0 * sg_t
@@ -223,17 +226,12 @@ def _fna_bwd_kernel(
         mean_ptr += row0
         rstd_ptr += row0
         r2_ptr += row0
-        rows = tl.arange(0, BLOCK_M)
-        row_ok = rows < (end - row0).to(tl.int32)
-        dcols = tl.arange(0, BLOCK_D)
-        d_ok = dcols < D
-        mask = row_ok[:, None] & d_ok[None, :]
         n = H * D
         op_ty = k_ptr.dtype.element_ty
         mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
         r2 = tl.load(r2_ptr + rows, mask=row_ok, other=0.0)
-        part = (b * n_m + pid_m).to(tl.int64) * n
+        part = tl.program_id(0).to(tl.int64) * n  # this program's row of the [B * n_m, H * D] partials
         # Pass A: recompute o per head (fp32 scratch), RMS row dot c2 = sum(dout * g2 * o).
         c2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for h in range(H):
