@@ -116,13 +116,18 @@ def _call(fn, q, k, v, off, max_len, ws, activation, **kw):
 @ACTS
 def test_reference_matches_fp64_loop(activation, affine):
     q, k, v, off, max_len, ws = _inputs((5, 0, 33, 1), 24, 2, 16, affine=affine)
-    out, mean, rstd, r2 = _call(flash_norm_attention_op, q, k, v, off, max_len, ws, activation)
+    out, mean, rstd, r2, rms_in = _call(flash_norm_attention_op, q, k, v, off, max_len, ws, activation)
     # fp32 through LayerNorm, two GEMMs of <= 24 terms and RMSNorm (seen: <= 2 u32 of the bound's scale).
     _close(out, _fp64_loop(q, k, v, off, ws, activation), F32, 16, "out")
     x = q.double().reshape(q.shape[0], -1)
     _close(mean, x.mean(1), F32, 16, "ln_mean")
     _close(rstd, torch.rsqrt(x.var(1, unbiased=False) + LN_EPS), F32, 16, "ln_rstd")
     assert out.dtype == F32 and mean.dtype == rstd.dtype == r2.dtype == F32 and r2.shape == (q.shape[0],)
+    # rms_in is o, the RMSNorm's input: out - q = o * rms_rstd * rms_weight.
+    y = (rms_in * r2[:, None, None]).reshape(q.shape[0], -1)
+    if ws[2] is not None:
+        y = y * ws[2]
+    _close((out - q).reshape(q.shape[0], -1), y, F32, 16, "rms_in")
 
 
 def _leaves(q, k, v, ws, dtype):
@@ -217,9 +222,9 @@ def test_opcheck():
     q, k, v, off, max_len, ws = _inputs((3, 0, 5), 6, 2, 8)
     args = (q, k, v, off, max_len, *ws, LN_EPS, RMS_EPS, "gelu", SCALE)
     torch.library.opcheck(flash_norm_attention_op, args)
-    out, mean, rstd, r2 = flash_norm_attention_op(*args)
+    out, mean, rstd, r2, rms_in = flash_norm_attention_op(*args)
     torch.library.opcheck(flash_norm_attention_backward,
-                          (torch.randn_like(out), q, k, v, off, max_len, *ws, mean, rstd, r2, "gelu", SCALE))
+                          (torch.randn_like(out), q, k, v, off, max_len, *ws, mean, rstd, r2, rms_in, "gelu", SCALE))
 
 
 def test_torch_compile_matches_eager():
@@ -262,13 +267,13 @@ def _check_kernels(kern, q, k, v, off, max_len, ws, activation, c_fwd, c_bwd, co
     got = _call(kern.flash_norm_attention_triton, q, k, v, off, max_len, ws, activation, config=config)
     want = _call(flash_norm_attention_reference, q, k, v, off, max_len, ws, activation)
     # The LayerNorm statistics see only q (fp32 sums, 16 u32); out and rms_rstd see the roundings in q's dtype.
-    for name, gg, ww, u_dtype, c in zip(("out", "ln_mean", "ln_rstd", "rms_rstd"), got, want,
-                                        (dtype, F32, F32, dtype), (c_fwd, 16, 16, c_fwd)):
+    for name, gg, ww, u_dtype, c in zip(("out", "ln_mean", "ln_rstd", "rms_rstd", "rms_in"), got, want,
+                                        (dtype, F32, F32, dtype, dtype), (c_fwd, 16, 16, c_fwd, c_fwd)):
         _close(gg, ww, u_dtype, c, name)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(q.device, dtype)
-    stats = tuple(w.float() for w in want[1:])
-    args = (dout, q, k, v, off, max_len, *ws, *stats, activation, SCALE)
-    got = kern.flash_norm_attention_backward_triton(*args)
+    stats = tuple(w.float() for w in want[1:4])
+    args = (dout, q, k, v, off, max_len, *ws, *stats, want[4], activation, SCALE)
+    got = kern.flash_norm_attention_backward_triton(*args, config=config, dkdv_config=config)
     want = fna.flash_norm_attention_backward_reference(*args)
     for name, gg, ww in zip(("dq", "dk", "dv", "d_ln_weight", "d_ln_bias", "d_rms_weight"), got, want):
         if ww is None:
@@ -296,17 +301,17 @@ def test_triton_interpreter(monkeypatch, activation, dtype):
 
 @INTERPRETER
 @pytest.mark.parametrize("dtype", [F32, F16], ids=["fp32", "fp16"])
-def test_triton_interpreter_plain_strided_fp32_stage(monkeypatch, dtype):
-    """No affine; q a strided view ([T, D, H] transposed), k/v non-contiguous; H = 1 and 3; o staged in fp32
-    (one rounding fewer than the reference: twice the tolerance); weights in q's dtype."""
+def test_triton_interpreter_plain_strided_tiles(monkeypatch, dtype):
+    """No affine; q a strided view ([T, D, H] transposed), k/v non-contiguous; H = 1 and 3; weights in q's
+    dtype; 32-token Q tiles and 16-wide S tiles (the dK/dV kernel walks 32-row Q steps)."""
     kern = _kernels(monkeypatch)
     q, k, v, off, max_len, ws = _inputs(INTERP_LENGTHS, 24, 3, 16, dtype=dtype, affine=False, seed=7)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)
     k = k.transpose(0, 1).contiguous().transpose(0, 1)
     _check_kernels(kern, q, k, v, off, max_len, ws, "fast_gelu", INTERP_C[dtype], INTERP_C[dtype])
-    cfg = kern.fna_config(q, k)._replace(stage="fp32")
-    q, k, v, off, max_len, ws = _inputs((2, 20, 0), 9, 1, 16, dtype=dtype, w_dtype=dtype, seed=8)
-    _check_kernels(kern, q, k, v, off, max_len, ws, "relu", 2 * INTERP_C[dtype], INTERP_C[dtype], config=cfg)
+    cfg = kern.FnaConfig(32, 16, 4)
+    q, k, v, off, max_len, ws = _inputs((2, 40, 0), 9, 1, 16, dtype=dtype, w_dtype=dtype, seed=8)
+    _check_kernels(kern, q, k, v, off, max_len, ws, "relu", INTERP_C[dtype], INTERP_C[dtype], config=cfg)
 
 
 @INTERPRETER
@@ -334,7 +339,7 @@ def test_cuda_bf16(h):
     want = _call(flash_norm_attention_reference, q, k, v, off, max_len, ws, "silu")
     _close(out, want[0], BF16, 8, "out")
     grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
-    args = (torch.ones_like(out), q, k, v, off, max_len, *ws, *want[1:], "silu", SCALE)
+    args = (torch.ones_like(out), q, k, v, off, max_len, *ws, *want[1:], "silu", SCALE)  # stats and rms_in
     for name, gg, ww in zip("q k v w1 b1 w2".split(), grads, fna.flash_norm_attention_backward_reference(*args)):
         _close(gg, ww, BF16, 16, name)
 

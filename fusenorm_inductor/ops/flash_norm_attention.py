@@ -9,13 +9,14 @@ For a jagged q [T, H, D] (sequence b owns tokens q_offsets[b] .. q_offsets[b+1])
 
 Ops (registered on import):
 - ``fusenorm::flash_norm_attention(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps,
-  rms_eps, activation, scale) -> (out, ln_mean, ln_rstd, rms_rstd)``: out [T, H, D] in q's dtype; the three
-  statistics fp32 [T], saved for the backward. Autograd: gradients for q, k, v and the three weights.
+  rms_eps, activation, scale) -> (out, ln_mean, ln_rstd, rms_rstd, rms_in)``: out [T, H, D] in q's dtype; the
+  three statistics fp32 [T] and rms_in = o (the RMSNorm's input, [T, H, D] in q's dtype), saved for the
+  backward (only out is differentiable). Autograd: gradients for q, k, v and the three weights.
 - ``fusenorm::flash_norm_attention_backward(dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias,
-  rms_weight, ln_mean, ln_rstd, rms_rstd, activation, scale) -> (dq, dk, dv, d_ln_weight, d_ln_bias,
+  rms_weight, ln_mean, ln_rstd, rms_rstd, rms_in, activation, scale) -> (dq, dk, dv, d_ln_weight, d_ln_bias,
   d_rms_weight)``: the gradients (a missing weight's gradient is a 0-size tensor).
 Python: ``flash_norm_attention(...) -> out`` and the references ``flash_norm_attention_reference(...)``
-(the 4-tuple) and ``flash_norm_attention_backward_reference(...)``.
+(the 5-tuple) and ``flash_norm_attention_backward_reference(...)``.
 
 CPU runs the references; CUDA runs the Triton kernels of flash_norm_attention_kernels.py (module docstring
 there: the cross-head design).
@@ -24,16 +25,18 @@ Rounding (both the reference and the kernels; "what an unfused bf16 graph does, 
 except three roundings to q's dtype, each at a place where the unfused graph rounds too:
   1. ln_q as the operand of ln_q K^T (the tensor-core operand; the residual adds the unrounded fp32 ln_q),
   2. P = act(S) * scale before P V (likewise),
-  3. o = P V + ln_q before the RMSNorm (the kernels stage o in ``out`` between two passes over the heads; the
-     unfused graph rounds the attention block's output before its RMSNorm too). Optional: the kernel's
-     ``stage="fp32"`` keeps o in an fp32 scratch, one rounding fewer than the reference.
+  3. o = P V + ln_q before the RMSNorm (o is stored, rms_in; the unfused graph rounds the attention block's
+     output before its RMSNorm too).
 For fp32 inputs these are no-ops; an fp64 q (reference only) computes in fp64. The backward recomputes in fp32
 and rounds d(o) and dS to q's dtype as MMA operands (the unfused graph's autograd rounds them to bf16 too).
 
-Backward: ln_q is rebuilt from q and the saved LayerNorm statistics; o is *recomputed* (P V + ln_q), not
-derived from the output as (out - q) / (rms_rstd * rms_weight), which divides by rms_weight (infinite or
-garbage where a weight is ~0) and cancels where |q| >> |out - q| (bf16 out rounded at |q| loses o's low bits).
-The recompute costs P V once more per head (the backward needs S = ln_q K^T for act'(S) anyway).
+Backward: ln_q is rebuilt from q and the saved LayerNorm statistics (never saved). o, the RMSNorm's input,
+is saved (rms_in), not derived from the output as (out - q) / (rms_rstd * rms_weight) (the seed's way), which
+divides by rms_weight (infinite or garbage where a weight is ~0) and cancels where |q| >> |out - q| (bf16 out
+rounded at |q| loses o's low bits); nor recomputed as P V + ln_q, which cost the first backward two more
+matmuls per head and S tile (measured on the H200: docs/design.md, Attention). Saved for the backward: q,
+the three statistics and o, one [T, H, D] tensor fewer than the unfused graph keeps (ln_q and the attention
+output or o); under no_grad o is a temporary of the op.
 
 Offsets: int32 [B+1], q_offsets[0] == 0, non-decreasing, q_offsets[-1] == T, every length <= max_seq_len_q
 (the kernels' grid covers max_seq_len_q rows per sequence). Checking them reads the offsets on the host
@@ -161,9 +164,10 @@ def flash_norm_attention_reference(
     rms_eps: float = 1e-6,
     activation: str = "fast_gelu",
     scale: float = 1.0,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, ln_mean, ln_rstd, rms_rstd): the block in fp32 (fp64 for an fp64 q) with the module docstring's
-    three roundings to q's dtype; differentiable by torch autograd. Statistics in the compute dtype."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, ln_mean, ln_rstd, rms_rstd, rms_in): the block in fp32 (fp64 for an fp64 q) with the module
+    docstring's three roundings to q's dtype; differentiable by torch autograd. Statistics in the compute
+    dtype; rms_in (o) in q's dtype."""
     t, h, d = q.shape
     cd = _compute_dtype(q.dtype)
     w1, b1, w2 = _weights(cd, ln_weight, ln_bias, rms_weight)
@@ -184,7 +188,7 @@ def flash_norm_attention_reference(
     if w2 is not None:
         y = y * w2
     out = (y + x).reshape(t, h, d).to(q.dtype)
-    return out, mean, rstd, rms_rstd
+    return out, mean, rstd, rms_rstd, o.reshape(t, h, d).to(q.dtype)
 
 
 def flash_norm_attention_backward_reference(
@@ -200,12 +204,13 @@ def flash_norm_attention_backward_reference(
     ln_mean: Tensor,
     ln_rstd: Tensor,
     rms_rstd: Tensor,
+    rms_in: Tensor,
     activation: str,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """(dq, dk, dv, d_ln_weight, d_ln_bias, d_rms_weight) from the saved statistics, explicit formulas in fp32
-    (algorithms.md, Norms and section 5), o recomputed; gradients in their inputs' dtypes, None for a missing
-    weight. The same math as the Triton backward, for any device."""
+    """(dq, dk, dv, d_ln_weight, d_ln_bias, d_rms_weight) from the saved statistics and o (rms_in), explicit
+    formulas in fp32 (algorithms.md, Norms and section 5); gradients in their inputs' dtypes, None for a
+    missing weight. The same math as the Triton backward, for any device."""
     t, h, d = q.shape
     n = h * d
     cd = _compute_dtype(q.dtype)
@@ -221,8 +226,8 @@ def flash_norm_attention_backward_reference(
     lnq_op = _rounded(lnq3, q.dtype)
     index = _jagged_index(q_offsets, t)
     bidx, pos, max_len = index
-    s, p, qp, kt, vt, attn = _attention(lnq_op, k, v, index, activation, scale, q.dtype)
-    o = (attn + lnq3).reshape(t, n)  # recomputed (module docstring), unrounded
+    s, p, qp, kt, vt, _ = _attention(lnq_op, k, v, index, activation, scale, q.dtype)
+    o = rms_in.to(cd).reshape(t, n)  # saved by the forward (module docstring)
     ohat = o * r2
     # RMSNorm backward: t2 = g * w2, do = r2 * (t2 - ohat * mean(t2 * ohat)).
     t2 = g * w2 if w2 is not None else g
@@ -273,13 +278,13 @@ def flash_norm_attention_op(
     rms_eps: float,
     activation: str,
     scale: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The fused block; see the module docstring. CPU: the reference."""
     args = (q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation, scale)
     _check_all(*args)
     _check_offsets(_OP, q_offsets, q.shape[0], max_seq_len_q)
-    out, mean, rstd, r2 = flash_norm_attention_reference(*args)
-    return out, mean.float(), rstd.float(), r2.float()
+    out, mean, rstd, r2, rms_in = flash_norm_attention_reference(*args)
+    return out, mean.float(), rstd.float(), r2.float(), rms_in
 
 
 @flash_norm_attention_op.register_kernel("cuda")
@@ -298,22 +303,24 @@ def _(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps,
                scale)
     t = q.shape[0]
     stat = lambda: q.new_empty((t,), dtype=torch.float32)  # noqa: E731
-    return torch.empty_like(q, memory_format=torch.contiguous_format), stat(), stat(), stat()
+    like_q = lambda: torch.empty_like(q, memory_format=torch.contiguous_format)  # noqa: E731
+    return like_q(), stat(), stat(), stat(), like_q()
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation, scale = inputs
-    _, mean, rstd, r2 = output
-    # q and the statistics, never ln_q, o or out: the backward rebuilds ln_q and recomputes o.
-    ctx.save_for_backward(q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, mean, rstd, r2)
+    _, mean, rstd, r2, rms_in = output
+    # q, the statistics and o; never ln_q (rebuilt) or out.
+    ctx.save_for_backward(q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, mean, rstd, r2, rms_in)
+    ctx.mark_non_differentiable(mean, rstd, r2, rms_in)
     ctx.max_seq_len_q, ctx.activation, ctx.scale = max_seq_len_q, activation, scale
 
 
-def _backward(ctx, dout, _dmean, _drstd, _dr2):
-    q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, mean, rstd, r2 = ctx.saved_tensors
+def _backward(ctx, dout, _dmean, _drstd, _dr2, _drms_in):
+    q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, mean, rstd, r2, rms_in = ctx.saved_tensors
     dq, dk, dv, dw1, db1, dw2 = flash_norm_attention_backward(
         dout.contiguous(), q, k, v, q_offsets, ctx.max_seq_len_q, ln_weight, ln_bias, rms_weight, mean, rstd, r2,
-        ctx.activation, ctx.scale,
+        rms_in, ctx.activation, ctx.scale,
     )
     pick = lambda gr, w: gr if w is not None else None  # noqa: E731
     return (dq, dk, dv, None, None, pick(dw1, ln_weight), pick(db1, ln_bias), pick(dw2, rms_weight),
@@ -324,9 +331,10 @@ flash_norm_attention_op.register_autograd(_backward, setup_context=_setup_contex
 
 
 def _check_bwd(dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_mean, ln_rstd,
-               rms_rstd, activation, scale) -> None:
+               rms_rstd, rms_in, activation, scale) -> None:
     _check(_OP_BWD, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, activation, scale)
     check_tensor(_OP_BWD, "dout", dout, shape=tuple(q.shape), device=q.device)
+    check_tensor(_OP_BWD, "rms_in", rms_in, shape=tuple(q.shape), device=q.device, dtypes=(q.dtype,))
     for name, st in (("ln_mean", ln_mean), ("ln_rstd", ln_rstd), ("rms_rstd", rms_rstd)):
         check_tensor(_OP_BWD, name, st, shape=(q.shape[0],), device=q.device, dtypes=(torch.float32,))
 
@@ -349,12 +357,13 @@ def flash_norm_attention_backward(
     ln_mean: Tensor,
     ln_rstd: Tensor,
     rms_rstd: Tensor,
+    rms_in: Tensor,
     activation: str,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, d_ln_weight, d_ln_bias, d_rms_weight); a missing weight's gradient is 0-size."""
     args = (dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_mean, ln_rstd, rms_rstd,
-            activation, scale)
+            rms_in, activation, scale)
     _check_bwd(*args)
     dq, dk, dv, *dws = flash_norm_attention_backward_reference(*args)
     return (dq, dk, dv) + _empty_if_none(dws, (q, q, q))
@@ -362,9 +371,9 @@ def flash_norm_attention_backward(
 
 @flash_norm_attention_backward.register_kernel("cuda")
 def _(dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_mean, ln_rstd, rms_rstd,
-      activation, scale):
+      rms_in, activation, scale):
     args = (dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_mean, ln_rstd, rms_rstd,
-            activation, scale)
+            rms_in, activation, scale)
     _check_bwd(*args)
     from .flash_norm_attention_kernels import flash_norm_attention_backward_triton
 
@@ -374,9 +383,9 @@ def _(dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, l
 
 @flash_norm_attention_backward.register_fake
 def _(dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_mean, ln_rstd, rms_rstd,
-      activation, scale):
+      rms_in, activation, scale):
     _check_bwd(dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_mean, ln_rstd, rms_rstd,
-               activation, scale)
+               rms_in, activation, scale)
     dw = [w.new_empty(w.shape) if w is not None else q.new_empty((0,)) for w in (ln_weight, ln_bias, rms_weight)]
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),

@@ -16,31 +16,30 @@ sequence adjacent (they share its K/V in L2; 1-D: no 65535 limit on B):
   pass 2, heads h: ln_q_h = (q_h - mean) * rstd (* g1 + b1) in registers; o_h = sum over S tiles of
           (act(ln_q_h K_tile^T) * scale) V_tile + ln_q_h (K/V tiles of (b, h) streamed, BLOCK_N wide; the
           activation is elementwise, so unlike softmax no running max/rescale); sum(o_h^2) accumulates the RMS
-          row sums; o_h is staged unnormalized, in ``out`` itself (default, ``stage="out"``: rounded to the
-          output dtype as the unfused graph rounds the attention output) or an fp32 scratch (``stage="fp32"``).
+          row sums; o_h is written, rounded to q's dtype, to ``rms_in`` (saved for the backward).
   barrier; pass 3, heads h: out_h = o_h * rms_rstd (* g2) + q_h.
-q is read three times, o written and read back once, out written once: all L2 traffic but the first read
-of q and the final write of out (HBM sees q once and out once, K/V once per Q tile); the matmuls (2 per head
-and S tile) are done once. The alternative, the whole
-[BLOCK_M, H, D] o tile in registers (3-D batched tl.dot over heads), saves the staging but needs
-H * D * BLOCK_M fp32 registers: at H*D = 512 only BLOCK_M = 16 fits, too thin for wgmma, so it would help only
-for H*D <= 256; not built (no GPU to measure it on in this round). The ``stage`` switch keeps the two staging
-precisions to compare on the H200.
+q is read three times, o written and read back once, out written once: the re-reads hit L2 (a program's
+tile is BLOCK_M * H * D * 2 bytes); the matmuls (2 per head and S tile) are done once. The alternative, the
+whole [BLOCK_M, H, D] o tile in registers (3-D batched tl.dot over heads), saves the re-read but needs
+H * D * BLOCK_M fp32 registers: at H*D = 512 only BLOCK_M = 16 fits, too thin for wgmma; not built.
 
-Backward, the same grid and ownership, 5 matmuls per head and S tile plus the recompute of o (2):
-  pass A, heads h: rebuild ln_q_h (saved mean/rstd), recompute o_h = P V + ln_q_h (stored fp32 into a scratch),
-          RMS row dot c2 = sum_h sum(dout_h * g2_h * o_h).
-  barrier; pass B, heads h: d(o_h) = rms_rstd * (dout_h g2_h - o_h * rms_rstd^2 * c2 / (H D)); per S tile:
-          S, P (recomputed), dP = d(o) V^T, dS = act'(S) * scale * dP, d(ln_q_h) += dS K, and the tile's
-          dV = P^T d(o), dK = dS^T ln_q_h **atomically added (fp32) into [B, S, H, D] buffers** (the Q tiles of a
-          sequence all add into the same (b, h) K/V rows: short S, few Q tiles per sequence, so contention is
-          low; a separate (b, h, S tile) kernel looping over Q tiles would be deterministic but must stage
-          d(o) and recompute S and dP once more). d(ln_q_h) = dS K + d(o_h) (residual 1) goes to a second fp32
-          scratch; LayerNorm row sums ca = sum(t1), cb = sum(t1 * ln_hat), t1 = d(ln_q) * g1.
+Backward, two kernels (the first version was one kernel that also recomputed o = P V + ln_q and added dK/dV
+with fp32 atomics: 5.5 ms at H = 2, Lmax = 1024 on the H200, 4-7x the GDPA backward):
+  Q-tile kernel, the forward's grid and ownership, 3 matmuls per head and S tile:
+  pass A, heads h: RMS row dot c2 = sum_h sum(dout_h * g2_h * o_h) (o = rms_in, saved).
+  pass B, heads h: d(o_h) = rms_rstd * (dout_h g2_h - o_h * rms_rstd^2 * c2 / (H D)), written to a buffer in q's
+          dtype (the MMA operand, for the second kernel); ln_q_h rebuilt; per S tile S = ln_q K^T,
+          dP = d(o) V^T, dS = act'(S) * scale * dP, d(ln_q_h) += dS K; d(ln_q_h) (+ d(o_h), residual 1) to an
+          fp32 scratch; LayerNorm row sums ca = sum(t1), cb = sum(t1 * ln_hat), t1 = d(ln_q) * g1.
   barrier; pass C, heads h: dq_h = rstd * (t1 - ca / (H D) - ln_hat * cb / (H D)) + dout_h (residual 2).
   Weight gradients: each program writes its Q tile's column sums (dout * o_hat, d(ln_q) * ln_hat, d(ln_q))
   to fp32 partials [programs, H*D]; torch sums them over programs.
-The atomics make dK and dV non-deterministic in their last bits (fp32 sums in arrival order).
+  dK/dV kernel, one program per (S tile, b, h) (the programs of a sequence adjacent: they read the same q rows),
+  4 matmuls per Q tile: the program owns its dK/dV tiles and walks the sequence's Q tiles, rebuilding ln_q from
+  q and the statistics and reading d(o): S^T = K ln_q^T, dV += act(S^T) * scale d(o), dP^T = V d(o)^T,
+  dK += (act'(S^T) * scale * dP^T) ln_q. Deterministic (no atomics); a sequence without tokens gets zeros.
+The pair does the GDPA backward's 7 matmuls per head, S tile and Q tile, like the unfused graph; what it saves
+is the norms' own passes (ln_q, d(ln_q) and d(o) never round-trip through separate kernels).
 
 MMA operands are q's dtype (ln_q, P, d(o), dS rounded to it, as the reference does), accumulation fp32; fp32
 inputs use ``dot_input_precision`` (exact unless TF32 is allowed for CUDA matmuls).
@@ -62,10 +61,10 @@ __all__ = ["FnaConfig", "fna_config", "flash_norm_attention_triton", "flash_norm
 
 
 class FnaConfig(NamedTuple):
-    block_m: int  # tokens per Q tile (one program: this many tokens of one sequence, all heads)
+    block_m: int  # tokens per Q tile (forward, backward Q-tile kernel); Q rows per step (dK/dV kernel)
     block_n: int  # KV positions per S tile
     warps: int
-    stage: str = "out"  # forward: o staged in "out" (output dtype) or an "fp32" scratch
+    stages: int = 3  # software-pipelining depth of the loops (Triton num_stages)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -152,7 +151,7 @@ def _q_tile(off_ptr, n_m, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _fna_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, w2_ptr, out_ptr, stage_ptr, mean_ptr, rstd_ptr, r2_ptr,
+    q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, w2_ptr, out_ptr, o_ptr, mean_ptr, rstd_ptr, r2_ptr,
     H, D, S, n_m,
     sq_t, sq_h, sq_d, sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d,
     ln_eps, rms_eps, scale,
@@ -160,21 +159,21 @@ def _fna_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     """Q tile pid % n_m of sequence pid // n_m, all heads (module docstring, forward passes 1-3).
-    out and the stage are contiguous [T, H, D]; q, k, v any strides."""
+    out and o (the RMSNorm input, saved for the backward) are contiguous [T, H, D]; q, k, v any strides."""
     b, row0, n_rows, rows, row_ok, dcols, d_ok, mask = _q_tile(off_ptr, n_m, D, BLOCK_M, BLOCK_D)
     if n_rows > 0:  # Q tiles past the sequence's end have nothing to do
         # Pointers rebased at the tile's first row (int64 scalars), rows local to the tile (int32): [BLOCK_M,
         # BLOCK_D] tiles of int64 offsets cost two registers per element and made the kernels spill.
         q_ptr += row0 * sq_t
         out_ptr += row0 * (H * D)
-        stage_ptr += row0 * (H * D)
+        o_ptr += row0 * (H * D)
         mean_ptr += row0
         rstd_ptr += row0
         r2_ptr += row0
         n = H * D
         # Pass 1: LayerNorm statistics over all heads.
         mean, rstd = _ln_stats(q_ptr, rows, row_ok, dcols, d_ok, H, D, sq_t, sq_h, sq_d, ln_eps, BLOCK_M)
-        # Pass 2: per head, o_h = attention(ln_q_h) + ln_q_h, staged; RMS row sums.
+        # Pass 2: per head, o_h = attention(ln_q_h) + ln_q_h, written to o; RMS row sums.
         ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for h in range(H):
             x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
@@ -182,19 +181,19 @@ def _fna_fwd_kernel(
             o = _attend(lnq.to(k_ptr.dtype.element_ty), k_ptr, v_ptr, b * sk_b + h * sk_h, b * sv_b + h * sv_h,
                         S, sk_s, sk_d, sv_s, sv_d, dcols, d_ok, scale, ACT, BLOCK_M, BLOCK_N, BLOCK_D,
                         INPUT_PRECISION)
-            o = (o + lnq).to(stage_ptr.dtype.element_ty)  # the stage's rounding; the RMS sees the stored o
+            o = (o + lnq).to(o_ptr.dtype.element_ty)  # rounded as stored: the RMS sees the o the backward gets
             of = o.to(tl.float32)
             ss += tl.sum(of * of, axis=1)
-            tl.store(_head_ptrs(stage_ptr, rows, h, dcols, n, D, 1), o, mask=mask)
+            tl.store(_head_ptrs(o_ptr, rows, h, dcols, n, D, 1), o, mask=mask)
         r2 = tl.rsqrt(ss / n + rms_eps)
         tl.store(mean_ptr + rows, mean, mask=row_ok)
         tl.store(rstd_ptr + rows, rstd, mask=row_ok)
         tl.store(r2_ptr + rows, r2, mask=row_ok)
-        # The stage's tiles were written by other threads of this program: make them visible.
+        # o's tiles were written by other threads of this program: make them visible.
         tl.debug_barrier()
         # Pass 3: out = o * rms_rstd (* g2) + q.
         for h in range(H):
-            o = tl.load(_head_ptrs(stage_ptr, rows, h, dcols, n, D, 1), mask=mask, other=0.0).to(tl.float32)
+            o = tl.load(_head_ptrs(o_ptr, rows, h, dcols, n, D, 1), mask=mask, other=0.0).to(tl.float32)
             x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
             y = o * r2[:, None]
             if HAS_W2:
@@ -204,23 +203,24 @@ def _fna_fwd_kernel(
 
 @triton.jit
 def _fna_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, w2_ptr, dout_ptr, mean_ptr, rstd_ptr, r2_ptr,
-    o_buf, dl_buf, dq_ptr, dk_ptr, dv_ptr, pw1_ptr, pb1_ptr, pw2_ptr,
+    q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, w2_ptr, dout_ptr, mean_ptr, rstd_ptr, r2_ptr, o_ptr,
+    do_buf, dl_buf, dq_ptr, pw1_ptr, pb1_ptr, pw2_ptr,
     H, D, S, n_m,
     sq_t, sq_h, sq_d, sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d, sg_t, sg_h, sg_d,
     scale,
     ACT: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_W2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """Gradients of Q tile pid % n_m of sequence pid // n_m (module docstring, backward passes A-C).
-    o_buf, dl_buf, dq: contiguous [T, H, D] (scratch fp32, fp32, q's dtype); dk, dv: zeroed fp32 [B, S, H, D],
-    atomically accumulated; pw1/pb1/pw2: zeroed fp32 [B * n_m, H * D] per-program column sums."""
+    """dq, d(o) and the norm weights' partial sums of Q tile pid % n_m of sequence pid // n_m (module
+    docstring, backward passes A-C). o (saved), do_buf (d(o), q's dtype), dl_buf (fp32 scratch), dq: contiguous
+    [T, H, D]; pw1/pb1/pw2: zeroed fp32 [B * n_m, H * D] per-program column sums."""
     b, row0, n_rows, rows, row_ok, dcols, d_ok, mask = _q_tile(off_ptr, n_m, D, BLOCK_M, BLOCK_D)
     if n_rows > 0:
         # Pointers rebased at the tile's first row, rows local to the tile (int32): see the forward kernel.
         q_ptr += row0 * sq_t
         dout_ptr += row0 * sg_t
-        o_buf += row0 * (H * D)
+        o_ptr += row0 * (H * D)
+        do_buf += row0 * (H * D)
         dl_buf += row0 * (H * D)
         dq_ptr += row0 * (H * D)
         mean_ptr += row0
@@ -232,41 +232,35 @@ def _fna_bwd_kernel(
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
         r2 = tl.load(r2_ptr + rows, mask=row_ok, other=0.0)
         part = tl.program_id(0).to(tl.int64) * n  # this program's row of the [B * n_m, H * D] partials
-        # Pass A: recompute o per head (fp32 scratch), RMS row dot c2 = sum(dout * g2 * o).
+        # Pass A: RMS row dot c2 = sum(dout * g2 * o) over all heads (o saved by the forward).
         c2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for h in range(H):
-            x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
-            _, lnq = _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1, HAS_B1)
-            o = _attend(lnq.to(op_ty), k_ptr, v_ptr, b * sk_b + h * sk_h, b * sv_b + h * sv_h, S, sk_s, sk_d,
-                        sv_s, sv_d, dcols, d_ok, scale, ACT, BLOCK_M, BLOCK_N, BLOCK_D, INPUT_PRECISION) + lnq
-            tl.store(_head_ptrs(o_buf, rows, h, dcols, n, D, 1), o, mask=mask)
-            t2 = tl.load(_head_ptrs(dout_ptr, rows, h, dcols, sg_t, sg_h, sg_d), mask=mask, other=0.0).to(tl.float32)
-            if HAS_W2:
-                t2 = t2 * tl.load(w2_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-            c2 += tl.sum(t2 * o, axis=1)
-        # d(o) = r2 * (t2 - o_hat * mean(t2 * o_hat)) = r2 * t2 - o * coef, o_hat = o * r2.
-        coef = r2 * r2 * r2 * c2 / n
-        tl.debug_barrier()
-        # Pass B: per head, the attention backward; d(ln_q) to the second scratch; LayerNorm row sums.
-        ca = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        cb = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for h in range(H):
-            o = tl.load(_head_ptrs(o_buf, rows, h, dcols, n, D, 1), mask=mask, other=0.0)
+            o = tl.load(_head_ptrs(o_ptr, rows, h, dcols, n, D, 1), mask=mask, other=0.0).to(tl.float32)
             g = tl.load(_head_ptrs(dout_ptr, rows, h, dcols, sg_t, sg_h, sg_d), mask=mask, other=0.0).to(tl.float32)
             t2 = g
             if HAS_W2:
                 t2 = g * tl.load(w2_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
                 tl.store(pw2_ptr + part + h * D + dcols, tl.sum(g * o * r2[:, None], axis=0), mask=d_ok)
+            c2 += tl.sum(t2 * o, axis=1)
+        # d(o) = r2 * (t2 - o_hat * mean(t2 * o_hat)) = r2 * t2 - o * coef, o_hat = o * r2.
+        coef = r2 * r2 * r2 * c2 / n
+        # Pass B: per head, d(o) (to do_buf, for the dK/dV kernel), d(ln_q) = dS K + d(o) (to the fp32
+        # scratch), LayerNorm row sums.
+        ca = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        cb = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for h in range(H):
+            o = tl.load(_head_ptrs(o_ptr, rows, h, dcols, n, D, 1), mask=mask, other=0.0).to(tl.float32)
+            t2 = tl.load(_head_ptrs(dout_ptr, rows, h, dcols, sg_t, sg_h, sg_d), mask=mask, other=0.0).to(tl.float32)
+            if HAS_W2:
+                t2 = t2 * tl.load(w2_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
             do = r2[:, None] * t2 - o * coef[:, None]
             do_op = do.to(op_ty)
+            tl.store(_head_ptrs(do_buf, rows, h, dcols, n, D, 1), do_op, mask=mask)
             x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
             lnhat, lnq = _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1, HAS_B1)
             lnq_op = lnq.to(op_ty)
             k_base = b * sk_b + h * sk_h
             v_base = b * sv_b + h * sv_h
-            kv_base = b * S * n + h * D  # dk/dv buffers: contiguous [B, S, H, D]; int64 scalar, int32 tiles
-            dk_head = dk_ptr + kv_base
-            dv_head = dv_ptr + kv_base
             dlnq = do  # residual 1
             for n0 in range(0, S, BLOCK_N):
                 ns = n0 + tl.arange(0, BLOCK_N)
@@ -274,16 +268,9 @@ def _fna_bwd_kernel(
                 kt = _kv_tile(k_ptr, k_base, ns, dcols, n_ok, d_ok, sk_s, sk_d)
                 vt = _kv_tile(v_ptr, v_base, ns, dcols, n_ok, d_ok, sv_s, sv_d)
                 s = tl.dot(lnq_op, tl.trans(kt), input_precision=INPUT_PRECISION)
-                p_op = (act_fwd(s, ACT) * scale).to(op_ty)
                 dp = tl.dot(do_op, tl.trans(vt), input_precision=INPUT_PRECISION)
                 ds_op = (act_bwd(s, ACT) * scale * dp).to(op_ty)
                 dlnq = tl.dot(ds_op, kt, dlnq, input_precision=INPUT_PRECISION)
-                dv_t = tl.dot(tl.trans(p_op), do_op, input_precision=INPUT_PRECISION)
-                dk_t = tl.dot(tl.trans(ds_op), lnq_op, input_precision=INPUT_PRECISION)
-                kv_offs = ns[:, None] * n + dcols[None, :]
-                kv_mask = n_ok[:, None] & d_ok[None, :]
-                tl.atomic_add(dv_head + kv_offs, dv_t, mask=kv_mask)
-                tl.atomic_add(dk_head + kv_offs, dk_t, mask=kv_mask)
             tl.store(_head_ptrs(dl_buf, rows, h, dcols, n, D, 1), dlnq, mask=mask)
             t1 = dlnq
             if HAS_W1:
@@ -307,6 +294,64 @@ def _fna_bwd_kernel(
             tl.store(_head_ptrs(dq_ptr, rows, h, dcols, n, D, 1), dq.to(dq_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _fna_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, mean_ptr, rstd_ptr, do_buf, dk_ptr, dv_ptr,
+    H, D, S, n_s,
+    sq_t, sq_h, sq_d, sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d,
+    scale,
+    ACT: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """dK and dV of S tile pid % n_s of (b, h) = divmod(pid // n_s, H) (module docstring, backward pass D): the
+    program owns its [BLOCK_N, D] dK/dV tiles and walks the sequence's Q tiles, rebuilding ln_q from q and
+    the saved statistics and reading d(o) from do_buf. dk, dv: contiguous [B, S, H, D] in k's dtype."""
+    pid = tl.program_id(0)
+    bh = pid // n_s
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    start = tl.load(off_ptr + b).to(tl.int64)
+    n_rows = (tl.load(off_ptr + b + 1).to(tl.int64) - start).to(tl.int32)
+    n = H * D
+    ns = (pid % n_s) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < S
+    dcols = tl.arange(0, BLOCK_D)
+    d_ok = dcols < D
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    kt = _kv_tile(k_ptr, b * sk_b + h * sk_h, ns, dcols, n_ok, d_ok, sk_s, sk_d)
+    vt = _kv_tile(v_ptr, b * sv_b + h * sv_h, ns, dcols, n_ok, d_ok, sv_s, sv_d)
+    op_ty = k_ptr.dtype.element_ty
+    # Rebased at the sequence's first token (int64 scalars), rows local to the sequence (int32).
+    q_ptr += start * sq_t
+    do_buf += start * n
+    mean_ptr += start
+    rstd_ptr += start
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    for m0 in range(0, n_rows, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & d_ok[None, :]
+        x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        _, lnq = _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1, HAS_B1)
+        lnq_op = lnq.to(op_ty)
+        do_op = tl.load(_head_ptrs(do_buf, rows, h, dcols, n, D, 1), mask=mask, other=0.0)
+        # Transposed tiles (S^T = K ln_q^T, [BLOCK_N, BLOCK_M]): the products land in dK/dV's layout.
+        s_t = tl.dot(kt, tl.trans(lnq_op), input_precision=INPUT_PRECISION)
+        p_op = (act_fwd(s_t, ACT) * scale).to(op_ty)
+        dv = tl.dot(p_op, do_op, dv, input_precision=INPUT_PRECISION)
+        dp_t = tl.dot(vt, tl.trans(do_op), input_precision=INPUT_PRECISION)
+        ds_op = (act_bwd(s_t, ACT) * scale * dp_t).to(op_ty)
+        dk = tl.dot(ds_op, lnq_op, dk, input_precision=INPUT_PRECISION)
+    dk_ptr += b * S * n + h * D  # int64 scalar base, int32 offsets in the tile
+    dv_ptr += b * S * n + h * D
+    kv_offs = ns[:, None] * n + dcols[None, :]
+    tl.store(dk_ptr + kv_offs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------
@@ -317,20 +362,20 @@ def _alloc(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def fna_config(q: Tensor, k: Tensor, backward: bool = False) -> FnaConfig:
-    """The default tile: on CUDA, Q tiles of 64 tokens and 8 warps; S tiles of up to 64 (forward with
-    D = 128: 32). Chosen by register spills of an offline sm_90 compile (bf16, cuobjdump -res-usage; not
-    timed yet): the forward at 64 x 64 x 4 warps, the first guess, spilled 1.2 KB (D = 64) / 3.2 KB (D = 128)
-    of stack per thread, at 8 warps 8 B / 0.6 KB with 32-wide S tiles. The backward (8 warps) still spills
-    0.8 KB / 3.5 KB: it holds ~10 [BLOCK_M, D] tiles per head (docs/design.md, Attention). In the interpreter
-    (CPU tensors) 16 x 16 tiles, so small test sequences span several Q and S tiles."""
+def fna_config(q: Tensor, k: Tensor, kernel: str = "fwd") -> FnaConfig:
+    """The default tiles of ``kernel`` ("fwd", "bwd": the backward's Q-tile kernel, "dkdv"). On CUDA, from a
+    sweep on the H200 (bf16, D = 128, B = 768, S = 128, H in {2, 8}; scratch sweep, figures in the module
+    docstring): 64-token Q tiles, 4 warps; S tiles of 32 in the forward, 64 in the backward. 8 warps were
+    slower in every kernel (the 64-row wgmma tile is one warpgroup's). D <= 64 was not measured: the same
+    tiles with 64-wide S tiles. In the interpreter (CPU tensors) 16 x 16 tiles, so small test sequences span
+    several Q and S tiles."""
     s = k.shape[1]
     block_n = min(64, pow2_at_least(s))
     if q.device.type != "cuda":
         return FnaConfig(16, min(16, block_n), 4)
-    if not backward and q.shape[2] > 64:
-        block_n = min(block_n, 32)
-    return FnaConfig(64, block_n, 8)
+    if kernel == "fwd":
+        return FnaConfig(64, min(block_n, 32) if q.shape[2] > 64 else block_n, 4, 3)
+    return FnaConfig(64, block_n, 4, 2)
 
 
 def _common(q: Tensor, k: Tensor, v: Tensor, config: FnaConfig, activation: str):
@@ -345,6 +390,7 @@ def _common(q: Tensor, k: Tensor, v: Tensor, config: FnaConfig, activation: str)
         ACT=activation_code(activation, "fusenorm::flash_norm_attention"),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=pow2_at_least(d),
         INPUT_PRECISION=dot_input_precision(q.dtype, q.device), num_warps=config.warps,
+        num_stages=config.stages,
     )
 
 
@@ -352,54 +398,65 @@ def flash_norm_attention_triton(
     q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
     ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], rms_weight: Optional[Tensor],
     ln_eps: float, rms_eps: float, activation: str, scale: float, config: Optional[FnaConfig] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, ln_mean, ln_rstd, rms_rstd) of ``flash_norm_attention_reference``; inputs already checked."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, ln_mean, ln_rstd, rms_rstd, rms_in) of ``flash_norm_attention_reference``; inputs already
+    checked. ``config``: a test hook (tiles); None takes ``fna_config``."""
     t, h, d = q.shape
     dev, f32 = q.device, torch.float32
     config = config or fna_config(q, k)
     out = _alloc((t, h, d), q.dtype, dev)
+    rms_in = _alloc((t, h, d), q.dtype, dev)
     mean, rstd, r2 = (_alloc((t,), f32, dev) for _ in range(3))
     if t == 0 or max_seq_len_q == 0:
-        return out, mean, rstd, r2
-    stage = out if config.stage == "out" else _alloc((t, h, d), f32, dev)
+        return out, mean, rstd, r2, rms_in
     n_m = triton.cdiv(max_seq_len_q, config.block_m)
     _fna_fwd_kernel[(k.shape[0] * n_m,)](
-        q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, out, stage, mean, rstd, r2, n_m=n_m,
+        q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, out, rms_in, mean, rstd, r2, n_m=n_m,
         ln_eps=float(ln_eps), rms_eps=float(rms_eps), scale=float(scale),
         HAS_W1=ln_weight is not None, HAS_B1=ln_bias is not None, HAS_W2=rms_weight is not None,
         **_common(q, k, v, config, activation),
     )
-    return out, mean, rstd, r2
+    return out, mean, rstd, r2, rms_in
 
 
 def flash_norm_attention_backward_triton(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
     ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], rms_weight: Optional[Tensor],
-    ln_mean: Tensor, ln_rstd: Tensor, rms_rstd: Tensor, activation: str, scale: float,
-    config: Optional[FnaConfig] = None,
+    ln_mean: Tensor, ln_rstd: Tensor, rms_rstd: Tensor, rms_in: Tensor, activation: str, scale: float,
+    config: Optional[FnaConfig] = None, dkdv_config: Optional[FnaConfig] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """(dq, dk, dv, d_ln_weight, d_ln_bias, d_rms_weight) of ``flash_norm_attention_backward_reference``."""
+    """(dq, dk, dv, d_ln_weight, d_ln_bias, d_rms_weight) of ``flash_norm_attention_backward_reference``.
+    ``config`` / ``dkdv_config``: test hooks (tiles of the two kernels); None takes ``fna_config``."""
     t, h, d = q.shape
     bsz, s = k.shape[0], k.shape[1]
     dev, f32 = q.device, torch.float32
-    config = config or fna_config(q, k, backward=True)
+    config = config or fna_config(q, k, "bwd")
+    dkdv_config = dkdv_config or fna_config(q, k, "dkdv")
     n_m = triton.cdiv(max_seq_len_q, config.block_m) if t > 0 else 0
     dq = _alloc((t, h, d), q.dtype, dev)
-    # Accumulated (atomics, per-program partials): must start at zero, never poisoned.
-    dk_acc = torch.zeros((bsz, s, h, d), dtype=f32, device=dev)
-    dv_acc = torch.zeros((bsz, s, h, d), dtype=f32, device=dev)
+    do_buf = _alloc((t, h, d), q.dtype, dev)
+    dk = _alloc((bsz, s, h, d), k.dtype, dev)
+    dv = _alloc((bsz, s, h, d), v.dtype, dev)
+    # Per-program column sums of the weight gradients: summed over programs, so they start at zero.
     parts = [torch.zeros((bsz * n_m, h * d), dtype=f32, device=dev) if w is not None else None
              for w in (ln_weight, ln_bias, rms_weight)]
+    rms_in = rms_in.contiguous()
     if n_m > 0:
-        o_buf = _alloc((t, h, d), f32, dev)
         dl_buf = _alloc((t, h, d), f32, dev)
         _fna_bwd_kernel[(bsz * n_m,)](
-            q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, dout, ln_mean, ln_rstd, rms_rstd,
-            o_buf, dl_buf, dq, dk_acc, dv_acc, *parts,
+            q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, dout, ln_mean, ln_rstd, rms_rstd, rms_in,
+            do_buf, dl_buf, dq, *parts,
             n_m=n_m, sg_t=dout.stride(0), sg_h=dout.stride(1), sg_d=dout.stride(2), scale=float(scale),
             HAS_W1=ln_weight is not None, HAS_B1=ln_bias is not None, HAS_W2=rms_weight is not None,
             **_common(q, k, v, config, activation),
         )
+    n_s = triton.cdiv(s, dkdv_config.block_n)
+    if bsz * h * n_s > 0:  # every dK/dV element is written (zeros for a sequence without tokens)
+        _fna_bwd_dkdv_kernel[(n_s * bsz * h,)](
+            q, k, v, q_offsets, ln_weight, ln_bias, ln_mean, ln_rstd, do_buf, dk, dv, n_s=n_s,
+            scale=float(scale), HAS_W1=ln_weight is not None, HAS_B1=ln_bias is not None,
+            **_common(q, k, v, dkdv_config, activation),
+        )
     dws = tuple(p.sum(0).to(w.dtype) if w is not None else None
                 for p, w in zip(parts, (ln_weight, ln_bias, rms_weight)))
-    return (dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)) + dws
+    return (dq, dk, dv) + dws
