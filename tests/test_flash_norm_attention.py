@@ -320,6 +320,9 @@ def test_triton_interpreter_edge_cases(monkeypatch):
     for lengths in ((0, 0), (1,), (0, 17)):
         q, k, v, off, max_len, ws = _inputs(lengths, 5, 1, 8, seed=9)
         _check_kernels(kern, q, k, v, off, max_len, ws, "gelu", 16, 16)
+    # A head dim that is not a power of two (D = 24 in 32-wide tiles: the column-masked path).
+    q, k, v, off, max_len, ws = _inputs((3, 19), 7, 2, 24, seed=11)
+    _check_kernels(kern, q, k, v, off, max_len, ws, "silu", 16, 16)
 
 
 @ON_CUDA

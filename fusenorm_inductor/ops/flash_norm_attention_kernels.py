@@ -78,9 +78,19 @@ def _head_ptrs(ptr, rows, h, dcols, stride_t, stride_h, stride_d):
 
 
 @triton.jit
-def _ln_stats(q_ptr, rows, row_ok, dcols, d_ok, H, D, sq_t, sq_h, sq_d, eps, BLOCK_M: tl.constexpr):
+def _tile_mask(row_ok, d_ok, EVEN_D: tl.constexpr):
+    """The mask of a [rows, BLOCK_D] tile. With D == BLOCK_D (EVEN_D) only the rows are masked: a column mask
+    with a runtime D made every global load and store of the first kernels a scalar 2-byte access (PTX of an
+    sm_90 compile: 331 ld.global.b16 in the forward) instead of 16-byte vectors."""
+    if EVEN_D:
+        return row_ok[:, None]
+    else:
+        return row_ok[:, None] & d_ok[None, :]
+
+
+@triton.jit
+def _ln_stats(q_ptr, rows, row_ok, dcols, mask, H, D, sq_t, sq_h, sq_d, eps, BLOCK_M: tl.constexpr):
     """Pass 1: (mean, rstd) of each token over its H*D features, fp32 sums shifted by p = q[t, 0, 0]."""
-    mask = row_ok[:, None] & d_ok[None, :]
     pivot = tl.load(q_ptr + rows * sq_t, mask=row_ok, other=0.0).to(tl.float32)
     s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
     s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -108,23 +118,23 @@ def _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1: tl
 
 
 @triton.jit
-def _kv_tile(ptr, base, ns, dcols, n_ok, d_ok, stride_s, stride_d):
+def _kv_tile(ptr, base, ns, dcols, n_ok, d_ok, stride_s, stride_d, EVEN_D: tl.constexpr):
     return tl.load(ptr + base + ns[:, None] * stride_s + dcols[None, :] * stride_d,
-                   mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                   mask=_tile_mask(n_ok, d_ok, EVEN_D), other=0.0)
 
 
 @triton.jit
 def _attend(lnq_op, k_ptr, v_ptr, k_base, v_base, S, sk_s, sk_d, sv_s, sv_d, dcols, d_ok, scale,
             ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            INPUT_PRECISION: tl.constexpr):
+            INPUT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr):
     """sum over S tiles of (act(ln_q K^T) * scale) V for one head, fp32 [BLOCK_M, BLOCK_D]; P is rounded to
     V's dtype for the MMA. Padded KV rows give S = 0 and act(0) = 0 (every activation), and V rows of 0."""
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for n0 in range(0, S, BLOCK_N):
         ns = n0 + tl.arange(0, BLOCK_N)
         n_ok = ns < S
-        kt = _kv_tile(k_ptr, k_base, ns, dcols, n_ok, d_ok, sk_s, sk_d)
-        vt = _kv_tile(v_ptr, v_base, ns, dcols, n_ok, d_ok, sv_s, sv_d)
+        kt = _kv_tile(k_ptr, k_base, ns, dcols, n_ok, d_ok, sk_s, sk_d, EVEN_D)
+        vt = _kv_tile(v_ptr, v_base, ns, dcols, n_ok, d_ok, sv_s, sv_d, EVEN_D)
         s = tl.dot(lnq_op, tl.trans(kt), input_precision=INPUT_PRECISION)
         p = act_fwd(s, ACT) * scale
         acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=INPUT_PRECISION)
@@ -132,7 +142,7 @@ def _attend(lnq_op, k_ptr, v_ptr, k_base, v_base, S, sk_s, sk_d, sv_s, sv_d, dco
 
 
 @triton.jit
-def _q_tile(off_ptr, n_m, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _q_tile(off_ptr, n_m, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
     """This program's Q tile: tile pid % n_m of sequence b = pid // n_m (a 1-D grid, a sequence's tiles
     adjacent). Returns b and row0 (int64), n_rows (int32, <= 0 past the sequence's end: nothing to do), and the
     tile's local rows (int32), column indices and masks."""
@@ -146,21 +156,22 @@ def _q_tile(off_ptr, n_m, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     row_ok = rows < n_rows
     dcols = tl.arange(0, BLOCK_D)
     d_ok = dcols < D
-    return b, row0, n_rows, rows, row_ok, dcols, d_ok, row_ok[:, None] & d_ok[None, :]
+    return b, row0, n_rows, rows, row_ok, dcols, d_ok, _tile_mask(row_ok, d_ok, EVEN_D)
 
 
 @triton.jit
 def _fna_fwd_kernel(
     q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, w2_ptr, out_ptr, o_ptr, mean_ptr, rstd_ptr, r2_ptr,
-    H, D, S, n_m,
+    H, D: tl.constexpr, S, n_m,
     sq_t, sq_h, sq_d, sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d,
     ln_eps, rms_eps, scale,
     ACT: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_W2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     """Q tile pid % n_m of sequence pid // n_m, all heads (module docstring, forward passes 1-3).
     out and o (the RMSNorm input, saved for the backward) are contiguous [T, H, D]; q, k, v any strides."""
-    b, row0, n_rows, rows, row_ok, dcols, d_ok, mask = _q_tile(off_ptr, n_m, D, BLOCK_M, BLOCK_D)
+    b, row0, n_rows, rows, row_ok, dcols, d_ok, mask = _q_tile(off_ptr, n_m, D, BLOCK_M, BLOCK_D, EVEN_D)
     if n_rows > 0:  # Q tiles past the sequence's end have nothing to do
         # Pointers rebased at the tile's first row (int64 scalars), rows local to the tile (int32): [BLOCK_M,
         # BLOCK_D] tiles of int64 offsets cost two registers per element and made the kernels spill.
@@ -172,7 +183,7 @@ def _fna_fwd_kernel(
         r2_ptr += row0
         n = H * D
         # Pass 1: LayerNorm statistics over all heads.
-        mean, rstd = _ln_stats(q_ptr, rows, row_ok, dcols, d_ok, H, D, sq_t, sq_h, sq_d, ln_eps, BLOCK_M)
+        mean, rstd = _ln_stats(q_ptr, rows, row_ok, dcols, mask, H, D, sq_t, sq_h, sq_d, ln_eps, BLOCK_M)
         # Pass 2: per head, o_h = attention(ln_q_h) + ln_q_h, written to o; RMS row sums.
         ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for h in range(H):
@@ -180,7 +191,7 @@ def _fna_fwd_kernel(
             _, lnq = _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1, HAS_B1)
             o = _attend(lnq.to(k_ptr.dtype.element_ty), k_ptr, v_ptr, b * sk_b + h * sk_h, b * sv_b + h * sv_h,
                         S, sk_s, sk_d, sv_s, sv_d, dcols, d_ok, scale, ACT, BLOCK_M, BLOCK_N, BLOCK_D,
-                        INPUT_PRECISION)
+                        INPUT_PRECISION, EVEN_D)
             o = (o + lnq).to(o_ptr.dtype.element_ty)  # rounded as stored: the RMS sees the o the backward gets
             of = o.to(tl.float32)
             ss += tl.sum(of * of, axis=1)
@@ -205,16 +216,17 @@ def _fna_fwd_kernel(
 def _fna_bwd_kernel(
     q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, w2_ptr, dout_ptr, mean_ptr, rstd_ptr, r2_ptr, o_ptr,
     do_buf, dl_buf, dq_ptr, pw1_ptr, pb1_ptr, pw2_ptr,
-    H, D, S, n_m,
+    H, D: tl.constexpr, S, n_m,
     sq_t, sq_h, sq_d, sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d, sg_t, sg_h, sg_d,
     scale,
     ACT: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_W2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     """dq, d(o) and the norm weights' partial sums of Q tile pid % n_m of sequence pid // n_m (module
     docstring, backward passes A-C). o (saved), do_buf (d(o), q's dtype), dl_buf (fp32 scratch), dq: contiguous
     [T, H, D]; pw1/pb1/pw2: zeroed fp32 [B * n_m, H * D] per-program column sums."""
-    b, row0, n_rows, rows, row_ok, dcols, d_ok, mask = _q_tile(off_ptr, n_m, D, BLOCK_M, BLOCK_D)
+    b, row0, n_rows, rows, row_ok, dcols, d_ok, mask = _q_tile(off_ptr, n_m, D, BLOCK_M, BLOCK_D, EVEN_D)
     if n_rows > 0:
         # Pointers rebased at the tile's first row, rows local to the tile (int32): see the forward kernel.
         q_ptr += row0 * sq_t
@@ -265,8 +277,8 @@ def _fna_bwd_kernel(
             for n0 in range(0, S, BLOCK_N):
                 ns = n0 + tl.arange(0, BLOCK_N)
                 n_ok = ns < S
-                kt = _kv_tile(k_ptr, k_base, ns, dcols, n_ok, d_ok, sk_s, sk_d)
-                vt = _kv_tile(v_ptr, v_base, ns, dcols, n_ok, d_ok, sv_s, sv_d)
+                kt = _kv_tile(k_ptr, k_base, ns, dcols, n_ok, d_ok, sk_s, sk_d, EVEN_D)
+                vt = _kv_tile(v_ptr, v_base, ns, dcols, n_ok, d_ok, sv_s, sv_d, EVEN_D)
                 s = tl.dot(lnq_op, tl.trans(kt), input_precision=INPUT_PRECISION)
                 dp = tl.dot(do_op, tl.trans(vt), input_precision=INPUT_PRECISION)
                 ds_op = (act_bwd(s, ACT) * scale * dp).to(op_ty)
@@ -297,11 +309,12 @@ def _fna_bwd_kernel(
 @triton.jit
 def _fna_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, mean_ptr, rstd_ptr, do_buf, dk_ptr, dv_ptr,
-    H, D, S, n_s,
+    H, D: tl.constexpr, S, n_s,
     sq_t, sq_h, sq_d, sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d,
     scale,
     ACT: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     """dK and dV of S tile pid % n_s of (b, h) = divmod(pid // n_s, H) (module docstring, backward pass D): the
     program owns its [BLOCK_N, D] dK/dV tiles and walks the sequence's Q tiles, rebuilding ln_q from q and
@@ -317,9 +330,9 @@ def _fna_bwd_dkdv_kernel(
     n_ok = ns < S
     dcols = tl.arange(0, BLOCK_D)
     d_ok = dcols < D
-    kv_mask = n_ok[:, None] & d_ok[None, :]
-    kt = _kv_tile(k_ptr, b * sk_b + h * sk_h, ns, dcols, n_ok, d_ok, sk_s, sk_d)
-    vt = _kv_tile(v_ptr, b * sv_b + h * sv_h, ns, dcols, n_ok, d_ok, sv_s, sv_d)
+    kv_mask = _tile_mask(n_ok, d_ok, EVEN_D)
+    kt = _kv_tile(k_ptr, b * sk_b + h * sk_h, ns, dcols, n_ok, d_ok, sk_s, sk_d, EVEN_D)
+    vt = _kv_tile(v_ptr, b * sv_b + h * sv_h, ns, dcols, n_ok, d_ok, sv_s, sv_d, EVEN_D)
     op_ty = k_ptr.dtype.element_ty
     # Rebased at the sequence's first token (int64 scalars), rows local to the sequence (int32).
     q_ptr += start * sq_t
@@ -331,7 +344,7 @@ def _fna_bwd_dkdv_kernel(
     for m0 in range(0, n_rows, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
-        mask = row_ok[:, None] & d_ok[None, :]
+        mask = _tile_mask(row_ok, d_ok, EVEN_D)
         x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
@@ -388,7 +401,7 @@ def _common(q: Tensor, k: Tensor, v: Tensor, config: FnaConfig, activation: str)
         sk_b=k.stride(0), sk_s=k.stride(1), sk_h=k.stride(2), sk_d=k.stride(3),
         sv_b=v.stride(0), sv_s=v.stride(1), sv_h=v.stride(2), sv_d=v.stride(3),
         ACT=activation_code(activation, "fusenorm::flash_norm_attention"),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=pow2_at_least(d),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=pow2_at_least(d), EVEN_D=d == pow2_at_least(d),
         INPUT_PRECISION=dot_input_precision(q.dtype, q.device), num_warps=config.warps,
         num_stages=config.stages,
     )

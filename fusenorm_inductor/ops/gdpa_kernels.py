@@ -31,9 +31,10 @@ Offsets are not validated on CUDA by default (gdpa.py says why): ``_seq_bounds``
 Block sizes (``fwd_config``, ``dq_config``, ``dkdv_config``): at D = 128 the fastest of a sweep on the H200
 (forward 64 x 32 (Q rows x K/V rows per chunk), dQ and dK/dV 64 x 64, 4 warps); at D <= 64 not timed, chosen
 so that ptxas reports no spills for sm_90 (forward 128 x 64, dQ 128 x 32, dK/dV 64 x 64, 8 warps); dK/dV
-tiles of 32 K/V rows when the grid would not fill the SMs; fp32 inputs 32 x 16 at 4 warps. Tiles shrink to the next power of two >= 16 of short
-sequences / short S. The loads are masked pointer loads; TMA (device-side descriptors bounded per sequence)
-would free the registers the pointer tiles take and allow larger tiles: the next speed step.
+tiles of 32 K/V rows when the grid would not fill the SMs; fp32 inputs 32 x 16 at 4 warps. Tiles shrink to
+the next power of two >= 16 of short sequences / short S. The loads are masked pointer loads; TMA
+(device-side descriptors bounded per sequence) would free the registers the pointer tiles take and allow
+larger tiles: the next speed step.
 """
 
 from __future__ import annotations
