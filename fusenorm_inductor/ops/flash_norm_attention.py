@@ -27,8 +27,9 @@ except three roundings to q's dtype, each at a place where the unfused graph rou
   2. P = act(S) * scale before P V (likewise),
   3. o = P V + ln_q before the RMSNorm (o is stored, rms_in; the unfused graph rounds the attention block's
      output before its RMSNorm too).
-For fp32 inputs these are no-ops; an fp64 q (reference only) computes in fp64. The backward recomputes in fp32
-and rounds d(o) and dS to q's dtype as MMA operands (the unfused graph's autograd rounds them to bf16 too).
+For fp32 inputs these are no-ops; an fp64 q (reference only) computes in fp64. The backward computes in fp32
+and rounds d(o) and dS to q's dtype as MMA operands and d(ln_q) = dS K + d(o) to q's dtype (the unfused graph's
+autograd rounds them to bf16 too).
 
 Backward: ln_q is rebuilt from q and the saved LayerNorm statistics (never saved). o, the RMSNorm's input,
 is saved (rms_in), not derived from the output as (out - q) / (rms_rstd * rms_weight) (the seed's way), which
@@ -242,7 +243,9 @@ def flash_norm_attention_backward_reference(
     dp = dop @ vt.transpose(-1, -2)
     ds = _rounded(act_grad_reference(s, activation) * scale * dp, q.dtype)
     dk = ds.transpose(-1, -2) @ qp
-    dlnq = (ds @ kt).transpose(1, 2)[bidx, pos].reshape(t, n) + do  # + residual 1
+    # + residual 1; d(o) as rounded for the MMAs, the sum rounded to q's dtype (the unfused graph's gradients
+    # of ln_q through GDPA and through the residual are q's dtype too).
+    dlnq = _rounded((ds @ kt).transpose(1, 2)[bidx, pos].reshape(t, n) + _rounded(do, q.dtype), q.dtype)
     # LayerNorm backward: t1 = dlnq * w1, dq = rstd * (t1 - mean(t1) - lnhat * mean(t1 * lnhat)), + residual 2.
     t1 = dlnq * w1 if w1 is not None else dlnq
     dq = rstd * (t1 - t1.mean(1, keepdim=True) - lnhat * (t1 * lnhat).mean(1, keepdim=True)) + g

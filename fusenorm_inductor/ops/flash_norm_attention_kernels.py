@@ -124,20 +124,27 @@ def _kv_tile(ptr, base, ns, dcols, n_ok, d_ok, stride_s, stride_d, EVEN_D: tl.co
 
 
 @triton.jit
-def _attend(lnq_op, k_ptr, v_ptr, k_base, v_base, S, sk_s, sk_d, sv_s, sv_d, dcols, d_ok, scale,
-            ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            INPUT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr):
-    """sum over S tiles of (act(ln_q K^T) * scale) V for one head, fp32 [BLOCK_M, BLOCK_D]; P is rounded to
-    V's dtype for the MMA. Padded KV rows give S = 0 and act(0) = 0 (every activation), and V rows of 0."""
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+def _attend(acc, lnq_op, k_ptr, v_ptr, k_base, v_base, S, sk_s, sk_d, sv_s, sv_d, dcols, d_ok, scale,
+            ACT: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr):
+    """acc + sum over S tiles of (act(ln_q K^T) * scale) V for one head, fp32 [BLOCK_M, BLOCK_D]; P is rounded
+    to V's dtype for the MMA. Padded KV rows give S = 0 and act(0) = 0 (every activation), and V rows of 0.
+    The caller passes acc = ln_q (residual 1): the fp32 ln_q tile is then not live across the loop (it was, as
+    a separate addend, and took the forward to 255 registers and a 208-byte stack spill per thread)."""
+    # Scalar bases advanced per tile and loop-invariant int32 offsets, as in the GDPA kernels.
+    k_ptr += k_base
+    v_ptr += v_base
+    ns = tl.arange(0, BLOCK_N)
+    k_offs = ns[:, None] * sk_s + dcols[None, :] * sk_d
+    v_offs = ns[:, None] * sv_s + dcols[None, :] * sv_d
     for n0 in range(0, S, BLOCK_N):
-        ns = n0 + tl.arange(0, BLOCK_N)
-        n_ok = ns < S
-        kt = _kv_tile(k_ptr, k_base, ns, dcols, n_ok, d_ok, sk_s, sk_d, EVEN_D)
-        vt = _kv_tile(v_ptr, v_base, ns, dcols, n_ok, d_ok, sv_s, sv_d, EVEN_D)
+        n_ok = ns < S - n0
+        kt = tl.load(k_ptr + k_offs, mask=_tile_mask(n_ok, d_ok, EVEN_D), other=0.0)
+        vt = tl.load(v_ptr + v_offs, mask=_tile_mask(n_ok, d_ok, EVEN_D), other=0.0)
         s = tl.dot(lnq_op, tl.trans(kt), input_precision=INPUT_PRECISION)
         p = act_fwd(s, ACT) * scale
         acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=INPUT_PRECISION)
+        k_ptr += BLOCK_N * sk_s
+        v_ptr += BLOCK_N * sv_s
     return acc
 
 
@@ -189,10 +196,10 @@ def _fna_fwd_kernel(
         for h in range(H):
             x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
             _, lnq = _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1, HAS_B1)
-            o = _attend(lnq.to(k_ptr.dtype.element_ty), k_ptr, v_ptr, b * sk_b + h * sk_h, b * sv_b + h * sv_h,
-                        S, sk_s, sk_d, sv_s, sv_d, dcols, d_ok, scale, ACT, BLOCK_M, BLOCK_N, BLOCK_D,
+            o = _attend(lnq, lnq.to(k_ptr.dtype.element_ty), k_ptr, v_ptr, b * sk_b + h * sk_h,
+                        b * sv_b + h * sv_h, S, sk_s, sk_d, sv_s, sv_d, dcols, d_ok, scale, ACT, BLOCK_N,
                         INPUT_PRECISION, EVEN_D)
-            o = (o + lnq).to(o_ptr.dtype.element_ty)  # rounded as stored: the RMS sees the o the backward gets
+            o = o.to(o_ptr.dtype.element_ty)  # rounded as stored: the RMS sees the o the backward gets
             of = o.to(tl.float32)
             ss += tl.sum(of * of, axis=1)
             tl.store(_head_ptrs(o_ptr, rows, h, dcols, n, D, 1), o, mask=mask)
@@ -269,11 +276,11 @@ def _fna_bwd_kernel(
             do_op = do.to(op_ty)
             tl.store(_head_ptrs(do_buf, rows, h, dcols, n, D, 1), do_op, mask=mask)
             x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
-            lnhat, lnq = _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1, HAS_B1)
+            _, lnq = _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1, HAS_B1)
             lnq_op = lnq.to(op_ty)
             k_base = b * sk_b + h * sk_h
             v_base = b * sv_b + h * sv_h
-            dlnq = do  # residual 1
+            dlnq = do_op.to(tl.float32)  # residual 1 (d(o) as rounded, like the split design's)
             for n0 in range(0, S, BLOCK_N):
                 ns = n0 + tl.arange(0, BLOCK_N)
                 n_ok = ns < S
@@ -283,7 +290,11 @@ def _fna_bwd_kernel(
                 dp = tl.dot(do_op, tl.trans(vt), input_precision=INPUT_PRECISION)
                 ds_op = (act_bwd(s, ACT) * scale * dp).to(op_ty)
                 dlnq = tl.dot(ds_op, kt, dlnq, input_precision=INPUT_PRECISION)
+            dlnq = dlnq.to(op_ty).to(tl.float32)  # rounded to q's dtype, as the reference and the split design
             tl.store(_head_ptrs(dl_buf, rows, h, dcols, n, D, 1), dlnq, mask=mask)
+            # ln_hat rebuilt from a second (cached) read of q rather than kept live across the S loop.
+            x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
+            lnhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
             t1 = dlnq
             if HAS_W1:
                 t1 = dlnq * tl.load(w1_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
@@ -365,6 +376,220 @@ def _fna_bwd_dkdv_kernel(
     tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
+# ---- The split design (module docstring): per-token kernels for the cross-head sums, per-head attention ----
+
+
+@triton.jit
+def _token_tile(T, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+    """Rows pid * BLOCK_T .. + BLOCK_T of the [T, H, D] tensors: (row0 int64, local rows, masks)."""
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_T
+    rows = tl.arange(0, BLOCK_T)
+    row_ok = rows < (T - row0).to(tl.int32)
+    dcols = tl.arange(0, BLOCK_D)
+    d_ok = dcols < D
+    return row0, rows, row_ok, dcols, d_ok, _tile_mask(row_ok, d_ok, EVEN_D)
+
+
+@triton.jit
+def _head_tile(off_ptr, n_m, H, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+    """This program's (Q tile, head): h = pid % H fastest (the H programs of a Q tile read the same q rows),
+    then the tile, then the sequence b. Returns b (int64), h, row0 (int64), n_rows (int32, <= 0 past the
+    sequence's end), the local rows, column indices and masks."""
+    pid = tl.program_id(0)
+    h = pid % H
+    b = (pid // (H * n_m)).to(tl.int64)
+    start = tl.load(off_ptr + b).to(tl.int64)
+    end = tl.load(off_ptr + b + 1).to(tl.int64)
+    row0 = start + ((pid // H) % n_m) * BLOCK_M
+    n_rows = (end - row0).to(tl.int32)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    dcols = tl.arange(0, BLOCK_D)
+    d_ok = dcols < D
+    return b, h, row0, n_rows, rows, row_ok, dcols, d_ok, _tile_mask(row_ok, d_ok, EVEN_D)
+
+
+@triton.jit
+def _split_stats_kernel(q_ptr, mean_ptr, rstd_ptr, T, H, D: tl.constexpr, sq_t, sq_h, sq_d, ln_eps,
+                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+    """Forward 1: the LayerNorm statistics of BLOCK_T tokens over all heads."""
+    row0, rows, row_ok, dcols, d_ok, mask = _token_tile(T, D, BLOCK_T, BLOCK_D, EVEN_D)
+    q_ptr += row0 * sq_t
+    mean, rstd = _ln_stats(q_ptr, rows, row_ok, dcols, mask, H, D, sq_t, sq_h, sq_d, ln_eps, BLOCK_T)
+    tl.store(mean_ptr + row0 + rows, mean, mask=row_ok)
+    tl.store(rstd_ptr + row0 + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _split_attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, mean_ptr, rstd_ptr, o_ptr, ss_ptr,
+    H, D: tl.constexpr, S, n_m,
+    sq_t, sq_h, sq_d, sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d,
+    scale,
+    ACT: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr,
+):
+    """Forward 2, one (Q tile, head): o_h = attention(ln_q_h) + ln_q_h (ln_q from q and the statistics) to o,
+    rounded to q's dtype; the head's sum(o_h^2) per token to ss [T, H] (fp32)."""
+    b, h, row0, n_rows, rows, row_ok, dcols, d_ok, mask = _head_tile(off_ptr, n_m, H, D, BLOCK_M, BLOCK_D, EVEN_D)
+    if n_rows > 0:
+        q_ptr += row0 * sq_t
+        o_ptr += row0 * (H * D)
+        ss_ptr += row0 * H
+        x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + row0 + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + row0 + rows, mask=row_ok, other=0.0)
+        _, lnq = _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1, HAS_B1)
+        o = _attend(lnq, lnq.to(k_ptr.dtype.element_ty), k_ptr, v_ptr, b * sk_b + h * sk_h, b * sv_b + h * sv_h,
+                    S, sk_s, sk_d, sv_s, sv_d, dcols, d_ok, scale, ACT, BLOCK_N, INPUT_PRECISION, EVEN_D)
+        o = o.to(o_ptr.dtype.element_ty)  # rounded as stored: the RMS sees the o the backward gets
+        of = o.to(tl.float32)
+        tl.store(_head_ptrs(o_ptr, rows, h, dcols, H * D, D, 1), o, mask=mask)
+        tl.store(ss_ptr + rows * H + h, tl.sum(of * of, axis=1), mask=row_ok)
+
+
+@triton.jit
+def _split_fwd_finish_kernel(q_ptr, w2_ptr, o_ptr, ss_ptr, out_ptr, r2_ptr, T, H, D: tl.constexpr,
+                             sq_t, sq_h, sq_d, rms_eps, HAS_W2: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_D: tl.constexpr):
+    """Forward 3, BLOCK_T tokens over all heads: rms_rstd from the per-head sums, out = o * rms_rstd (* g2) + q."""
+    row0, rows, row_ok, dcols, d_ok, mask = _token_tile(T, D, BLOCK_T, BLOCK_D, EVEN_D)
+    n = H * D
+    q_ptr += row0 * sq_t
+    o_ptr += row0 * n
+    out_ptr += row0 * n
+    hs = tl.arange(0, BLOCK_H)
+    ss = tl.load(ss_ptr + row0 * H + rows[:, None] * H + hs[None, :], mask=row_ok[:, None] & (hs < H)[None, :],
+                 other=0.0)
+    r2 = tl.rsqrt(tl.sum(ss, axis=1) / n + rms_eps)
+    tl.store(r2_ptr + row0 + rows, r2, mask=row_ok)
+    for h in range(H):
+        o = tl.load(_head_ptrs(o_ptr, rows, h, dcols, n, D, 1), mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
+        y = o * r2[:, None]
+        if HAS_W2:
+            y = y * tl.load(w2_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(_head_ptrs(out_ptr, rows, h, dcols, n, D, 1), (y + x).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_rms_bwd_kernel(dout_ptr, w2_ptr, o_ptr, r2_ptr, do_ptr, pw2_ptr, T, H, D: tl.constexpr,
+                          sg_t, sg_h, sg_d, HAS_W2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                          EVEN_D: tl.constexpr):
+    """Backward 1, BLOCK_T tokens over all heads: the RMSNorm backward, d(o) = rms_rstd * (dout g2 - o *
+    rms_rstd^2 * c2 / (H D)) with c2 = sum(dout * g2 * o), to do (q's dtype); rms_weight's column sums."""
+    row0, rows, row_ok, dcols, d_ok, mask = _token_tile(T, D, BLOCK_T, BLOCK_D, EVEN_D)
+    n = H * D
+    dout_ptr += row0 * sg_t
+    o_ptr += row0 * n
+    do_ptr += row0 * n
+    r2 = tl.load(r2_ptr + row0 + rows, mask=row_ok, other=0.0)
+    part = tl.program_id(0).to(tl.int64) * n
+    c2 = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for h in range(H):
+        o = tl.load(_head_ptrs(o_ptr, rows, h, dcols, n, D, 1), mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(_head_ptrs(dout_ptr, rows, h, dcols, sg_t, sg_h, sg_d), mask=mask, other=0.0).to(tl.float32)
+        t2 = g
+        if HAS_W2:
+            t2 = g * tl.load(w2_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(pw2_ptr + part + h * D + dcols, tl.sum(g * o * r2[:, None], axis=0), mask=d_ok)
+        c2 += tl.sum(t2 * o, axis=1)
+    coef = r2 * r2 * r2 * c2 / n
+    for h in range(H):
+        o = tl.load(_head_ptrs(o_ptr, rows, h, dcols, n, D, 1), mask=mask, other=0.0).to(tl.float32)
+        t2 = tl.load(_head_ptrs(dout_ptr, rows, h, dcols, sg_t, sg_h, sg_d), mask=mask, other=0.0).to(tl.float32)
+        if HAS_W2:
+            t2 = t2 * tl.load(w2_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        do = r2[:, None] * t2 - o * coef[:, None]
+        tl.store(_head_ptrs(do_ptr, rows, h, dcols, n, D, 1), do.to(do_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_attn_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, mean_ptr, rstd_ptr, do_ptr, dl_ptr,
+    H, D: tl.constexpr, S, n_m,
+    sq_t, sq_h, sq_d, sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d,
+    scale,
+    ACT: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr,
+):
+    """Backward 2, one (Q tile, head): d(ln_q_h) = dS K + d(o_h) (residual 1), rounded to q's dtype, to dl;
+    per S tile S = ln_q K^T (ln_q rebuilt), dP = d(o) V^T, dS = act'(S) * scale * dP."""
+    b, h, row0, n_rows, rows, row_ok, dcols, d_ok, mask = _head_tile(off_ptr, n_m, H, D, BLOCK_M, BLOCK_D, EVEN_D)
+    if n_rows > 0:
+        op_ty = k_ptr.dtype.element_ty
+        q_ptr += row0 * sq_t
+        do_ptr += row0 * (H * D)
+        dl_ptr += row0 * (H * D)
+        x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + row0 + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + row0 + rows, mask=row_ok, other=0.0)
+        _, lnq = _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1, HAS_B1)
+        lnq_op = lnq.to(op_ty)
+        do_op = tl.load(_head_ptrs(do_ptr, rows, h, dcols, H * D, D, 1), mask=mask, other=0.0)
+        dlnq = do_op.to(tl.float32)  # residual 1
+        k_ptr += b * sk_b + h * sk_h
+        v_ptr += b * sv_b + h * sv_h
+        ns = tl.arange(0, BLOCK_N)
+        k_offs = ns[:, None] * sk_s + dcols[None, :] * sk_d
+        v_offs = ns[:, None] * sv_s + dcols[None, :] * sv_d
+        for n0 in range(0, S, BLOCK_N):
+            n_ok = ns < S - n0
+            kt = tl.load(k_ptr + k_offs, mask=_tile_mask(n_ok, d_ok, EVEN_D), other=0.0)
+            vt = tl.load(v_ptr + v_offs, mask=_tile_mask(n_ok, d_ok, EVEN_D), other=0.0)
+            s = tl.dot(lnq_op, tl.trans(kt), input_precision=INPUT_PRECISION)
+            dp = tl.dot(do_op, tl.trans(vt), input_precision=INPUT_PRECISION)
+            ds_op = (act_bwd(s, ACT) * scale * dp).to(op_ty)
+            dlnq = tl.dot(ds_op, kt, dlnq, input_precision=INPUT_PRECISION)
+            k_ptr += BLOCK_N * sk_s
+            v_ptr += BLOCK_N * sv_s
+        tl.store(_head_ptrs(dl_ptr, rows, h, dcols, H * D, D, 1), dlnq.to(dl_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_ln_bwd_kernel(q_ptr, dout_ptr, w1_ptr, mean_ptr, rstd_ptr, dl_ptr, dq_ptr, pw1_ptr, pb1_ptr,
+                         T, H, D: tl.constexpr, sq_t, sq_h, sq_d, sg_t, sg_h, sg_d,
+                         HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                         EVEN_D: tl.constexpr):
+    """Backward 4, BLOCK_T tokens over all heads: the LayerNorm backward, dq = rstd * (t1 - mean(t1) - ln_hat *
+    mean(t1 ln_hat)) + dout (residual 2), t1 = d(ln_q) * g1; ln_weight's and ln_bias's column sums."""
+    row0, rows, row_ok, dcols, d_ok, mask = _token_tile(T, D, BLOCK_T, BLOCK_D, EVEN_D)
+    n = H * D
+    q_ptr += row0 * sq_t
+    dout_ptr += row0 * sg_t
+    dl_ptr += row0 * n
+    dq_ptr += row0 * n
+    mean = tl.load(mean_ptr + row0 + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(rstd_ptr + row0 + rows, mask=row_ok, other=0.0)
+    part = tl.program_id(0).to(tl.int64) * n
+    ca = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    cb = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for h in range(H):
+        dl = tl.load(_head_ptrs(dl_ptr, rows, h, dcols, n, D, 1), mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
+        lnhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        t1 = dl
+        if HAS_W1:
+            t1 = dl * tl.load(w1_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(pw1_ptr + part + h * D + dcols, tl.sum(dl * lnhat, axis=0), mask=d_ok)
+        if HAS_B1:
+            tl.store(pb1_ptr + part + h * D + dcols, tl.sum(dl, axis=0), mask=d_ok)
+        ca += tl.sum(t1, axis=1)
+        cb += tl.sum(t1 * lnhat, axis=1)
+    for h in range(H):
+        dl = tl.load(_head_ptrs(dl_ptr, rows, h, dcols, n, D, 1), mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(_head_ptrs(dout_ptr, rows, h, dcols, sg_t, sg_h, sg_d), mask=mask, other=0.0).to(tl.float32)
+        lnhat = (x - mean[:, None]) * rstd[:, None]
+        t1 = dl
+        if HAS_W1:
+            t1 = dl * tl.load(w1_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        dq = rstd[:, None] * (t1 - (ca / n)[:, None] - lnhat * (cb / n)[:, None]) + g
+        tl.store(_head_ptrs(dq_ptr, rows, h, dcols, n, D, 1), dq.to(dq_ptr.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------
@@ -407,15 +632,38 @@ def _common(q: Tensor, k: Tensor, v: Tensor, config: FnaConfig, activation: str)
     )
 
 
+DESIGN = "split"
+"""Which kernels run: "split" (per-token kernels for the cross-head sums around per-(Q tile, head) attention
+kernels) or "fused" (one program per Q tile across all heads). Module docstring: the measurements."""
+_DESIGNS = ("split", "fused")
+
+
+def _design(design: Optional[str]) -> str:
+    design = design or DESIGN
+    if design not in _DESIGNS:
+        raise ValueError(f"flash_norm_attention: unknown kernel design {design!r}; expected one of {_DESIGNS}")
+    return design
+
+
+def _token_args(q: Tensor):
+    """Tile arguments of the per-token kernels: BLOCK_T tokens (64 on CUDA, 16 in the interpreter)."""
+    d = q.shape[2]
+    return dict(BLOCK_T=64 if q.device.type == "cuda" else 16, BLOCK_D=pow2_at_least(d),
+                EVEN_D=d == pow2_at_least(d), num_warps=4)
+
+
 def flash_norm_attention_triton(
     q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
     ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], rms_weight: Optional[Tensor],
     ln_eps: float, rms_eps: float, activation: str, scale: float, config: Optional[FnaConfig] = None,
+    design: Optional[str] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, ln_mean, ln_rstd, rms_rstd, rms_in) of ``flash_norm_attention_reference``; inputs already
-    checked. ``config``: a test hook (tiles); None takes ``fna_config``."""
+    checked. ``config`` (the attention kernel's tiles) and ``design``: test hooks; None takes ``fna_config``
+    and ``DESIGN``."""
     t, h, d = q.shape
     dev, f32 = q.device, torch.float32
+    design = _design(design)
     config = config or fna_config(q, k)
     out = _alloc((t, h, d), q.dtype, dev)
     rms_in = _alloc((t, h, d), q.dtype, dev)
@@ -423,6 +671,19 @@ def flash_norm_attention_triton(
     if t == 0 or max_seq_len_q == 0:
         return out, mean, rstd, r2, rms_in
     n_m = triton.cdiv(max_seq_len_q, config.block_m)
+    flags = dict(HAS_W1=ln_weight is not None, HAS_B1=ln_bias is not None)
+    if design == "split":
+        tok = _token_args(q)
+        n_t = triton.cdiv(t, tok["BLOCK_T"])
+        _split_stats_kernel[(n_t,)](q, mean, rstd, t, h, d, *q.stride(), float(ln_eps), **tok)
+        ss = _alloc((t, h), f32, dev)
+        _split_attn_fwd_kernel[(k.shape[0] * n_m * h,)](
+            q, k, v, q_offsets, ln_weight, ln_bias, mean, rstd, rms_in, ss, n_m=n_m, scale=float(scale),
+            **flags, **_common(q, k, v, config, activation),
+        )
+        _split_fwd_finish_kernel[(n_t,)](q, rms_weight, rms_in, ss, out, r2, t, h, d, *q.stride(), float(rms_eps),
+                                         HAS_W2=rms_weight is not None, BLOCK_H=pow2_at_least(h, 1), **tok)
+        return out, mean, rstd, r2, rms_in
     _fna_fwd_kernel[(k.shape[0] * n_m,)](
         q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, out, rms_in, mean, rstd, r2, n_m=n_m,
         ln_eps=float(ln_eps), rms_eps=float(rms_eps), scale=float(scale),
@@ -436,25 +697,41 @@ def flash_norm_attention_backward_triton(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
     ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], rms_weight: Optional[Tensor],
     ln_mean: Tensor, ln_rstd: Tensor, rms_rstd: Tensor, rms_in: Tensor, activation: str, scale: float,
-    config: Optional[FnaConfig] = None, dkdv_config: Optional[FnaConfig] = None,
+    config: Optional[FnaConfig] = None, dkdv_config: Optional[FnaConfig] = None, design: Optional[str] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """(dq, dk, dv, d_ln_weight, d_ln_bias, d_rms_weight) of ``flash_norm_attention_backward_reference``.
-    ``config`` / ``dkdv_config``: test hooks (tiles of the two kernels); None takes ``fna_config``."""
+    ``config`` / ``dkdv_config`` (tiles of the attention kernels) and ``design``: test hooks; None takes
+    ``fna_config`` and ``DESIGN``."""
     t, h, d = q.shape
     bsz, s = k.shape[0], k.shape[1]
     dev, f32 = q.device, torch.float32
+    design = _design(design)
     config = config or fna_config(q, k, "bwd")
     dkdv_config = dkdv_config or fna_config(q, k, "dkdv")
     n_m = triton.cdiv(max_seq_len_q, config.block_m) if t > 0 else 0
+    tok = _token_args(q)
+    n_t = triton.cdiv(t, tok["BLOCK_T"])
     dq = _alloc((t, h, d), q.dtype, dev)
     do_buf = _alloc((t, h, d), q.dtype, dev)
     dk = _alloc((bsz, s, h, d), k.dtype, dev)
     dv = _alloc((bsz, s, h, d), v.dtype, dev)
     # Per-program column sums of the weight gradients: summed over programs, so they start at zero.
-    parts = [torch.zeros((bsz * n_m, h * d), dtype=f32, device=dev) if w is not None else None
+    n_parts = n_t if design == "split" else bsz * n_m
+    parts = [torch.zeros((n_parts, h * d), dtype=f32, device=dev) if w is not None else None
              for w in (ln_weight, ln_bias, rms_weight)]
     rms_in = rms_in.contiguous()
-    if n_m > 0:
+    flags = dict(HAS_W1=ln_weight is not None, HAS_B1=ln_bias is not None)
+    if design == "split" and n_m > 0:
+        dl = _alloc((t, h, d), q.dtype, dev)
+        _split_rms_bwd_kernel[(n_t,)](dout, rms_weight, rms_in, rms_rstd, do_buf, parts[2], t, h, d, *dout.stride(),
+                                      HAS_W2=rms_weight is not None, **tok)
+        _split_attn_bwd_kernel[(bsz * n_m * h,)](
+            q, k, v, q_offsets, ln_weight, ln_bias, ln_mean, ln_rstd, do_buf, dl, n_m=n_m, scale=float(scale),
+            **flags, **_common(q, k, v, config, activation),
+        )
+        _split_ln_bwd_kernel[(n_t,)](q, dout, ln_weight, ln_mean, ln_rstd, dl, dq, parts[0], parts[1], t, h, d,
+                                     *q.stride(), *dout.stride(), **flags, **tok)
+    elif n_m > 0:
         dl_buf = _alloc((t, h, d), f32, dev)
         _fna_bwd_kernel[(bsz * n_m,)](
             q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, dout, ln_mean, ln_rstd, rms_rstd, rms_in,
