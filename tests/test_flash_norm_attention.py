@@ -373,3 +373,12 @@ def test_offset_check_skipped_only_while_capturing(monkeypatch):
         fna._check_offsets("op", bad, 3, 8)  # a CPU tensor is never "captured"
     monkeypatch.setattr(fna, "CHECK_OFFSETS", False)
     fna._check_offsets("op", bad, 3, 8)
+
+
+def test_unknown_kernel_design_raises():
+    pytest.importorskip("triton")
+    from fusenorm_inductor.ops import flash_norm_attention_kernels as kern
+
+    with pytest.raises(ValueError, match="unknown kernel design 'bogus'"):
+        kern._design("bogus")
+    assert kern._design(None) == kern.DESIGN
