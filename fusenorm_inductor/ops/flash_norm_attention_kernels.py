@@ -3,14 +3,32 @@ section 5). Semantics, roundings and the backward's recompute: flash_norm_attent
 
 The cross-head problem. Both norms span all H*D features of a token, while attention is per head. The seed
 puts the H heads of a Q tile in H CTAs of a cluster that trade row sums through DSMEM; Triton 3.6 on Hopper
-has no DSMEM (platform.md). Here **one program owns a Q tile of BLOCK_M tokens of one sequence across all
-heads** and makes passes over the heads; what one pass produces for the next is either a [BLOCK_M] vector in
-registers (row sums) or a [BLOCK_M, D] tile per head written to global memory by this program and re-read by
-it after a CTA barrier (it stays in L2: one tile is BLOCK_M * H * D * 2 bytes, 64 KiB at BLOCK_M = 64,
-H*D = 512, ~8.5 MiB for 132 resident programs against a 60 MB L2).
+has no DSMEM (platform.md). Two designs are built, selected by ``DESIGN``, measured on the H200 (B = 768,
+S = 128, D = 128, bf16, Lmax = 1024; ms, forward / backward; the GDPA kernels alone 0.278 / 0.773 at H = 2,
+1.06 / 2.97 at H = 8):
 
-Forward, program (Q tile m, sequence b), a 1-D grid of B * cdiv(max_seq_len_q, BLOCK_M) programs, the Q tiles of a
-sequence adjacent (they share its K/V in L2; 1-D: no 65535 limit on B):
+  "split" (default): the cross-head sums run in per-token kernels (BLOCK_T tokens x all heads: LayerNorm
+  statistics; RMS finish and out; the RMSNorm backward; the LayerNorm backward), the attention in per-(Q
+  tile, head) kernels shaped like the GDPA kernels, which rebuild ln_q from q and the statistics on load and
+  write o (forward) or d(ln_q) (backward). 0.574 / 1.497 at H = 2, 2.216 / 5.989 at H = 8, 0.789 / 2.218 at
+  H = 1, Lmax = 3000. HBM sees q three times in the forward (statistics, attention, finish) instead of once.
+  "fused": one program owns a Q tile of BLOCK_M tokens of one sequence across all heads and makes passes over
+  the heads (below). 0.565 / 2.348 at H = 2, 2.313 / 9.001 at H = 8, 0.709 / 2.757 at H = 1, Lmax = 3000.
+  The loop over heads around the S-tile loop costs registers: an sm_90 compile of the forward takes 238-255
+  registers per thread against 136 for the same body with one head (so 2 CTAs per SM instead of 3), and the
+  backward's 64-row tiles spill (0.5 KB) while 32-row tiles fall back from wgmma to mma.sync.
+The split design is the default: equal in the forward within 4% at H <= 4 (fused faster at H = 1, split at
+H = 8), 36-38% faster in the backward. Both are about 2x the GDPA kernels' time, the cost of the norms' passes
+over [T, H, D] that are not hidden under the matmuls: neither beats GDPA + Inductor's norms by the issue's
+margin (README, Performance).
+
+The fused design's forward, program (Q tile m, sequence b): what one pass produces for the next is either a
+[BLOCK_M] vector in registers (row sums) or a [BLOCK_M, D] tile per head written to global memory by this
+program and re-read by it after a CTA barrier (it stays in L2: one tile is BLOCK_M * H * D * 2 bytes, 64 KiB
+at BLOCK_M = 64, H*D = 512, ~8.5 MiB for 132 resident programs against a 60 MB L2).
+
+Fused forward, a 1-D grid of B * cdiv(max_seq_len_q, BLOCK_M) programs, the Q tiles of a sequence adjacent
+(they share its K/V in L2; 1-D: no 65535 limit on B):
   pass 1, heads h: read q_h, LayerNorm row sums, shifted by p = q[t, 0, 0] (s1 = sum(q - p), s2 = sum(q - p)^2:
           one-pass variance without E[x^2] - E[x]^2's cancellation when |mean| >> std) -> mean, rstd.
   pass 2, heads h: ln_q_h = (q_h - mean) * rstd (* g1 + b1) in registers; o_h = sum over S tiles of
@@ -23,8 +41,8 @@ tile is BLOCK_M * H * D * 2 bytes); the matmuls (2 per head and S tile) are done
 whole [BLOCK_M, H, D] o tile in registers (3-D batched tl.dot over heads), saves the re-read but needs
 H * D * BLOCK_M fp32 registers: at H*D = 512 only BLOCK_M = 16 fits, too thin for wgmma; not built.
 
-Backward, two kernels (the first version was one kernel that also recomputed o = P V + ln_q and added dK/dV
-with fp32 atomics: 5.5 ms at H = 2, Lmax = 1024 on the H200, 4-7x the GDPA backward):
+Fused backward, two kernels (the first version was one kernel that also recomputed o = P V + ln_q and added
+dK/dV with fp32 atomics: 5.5 ms at H = 2, Lmax = 1024 on the H200, 7x the GDPA backward):
   Q-tile kernel, the forward's grid and ownership, 3 matmuls per head and S tile:
   pass A, heads h: RMS row dot c2 = sum_h sum(dout_h * g2_h * o_h) (o = rms_in, saved).
   pass B, heads h: d(o_h) = rms_rstd * (dout_h g2_h - o_h * rms_rstd^2 * c2 / (H D)), written to a buffer in q's
@@ -38,8 +56,8 @@ with fp32 atomics: 5.5 ms at H = 2, Lmax = 1024 on the H200, 4-7x the GDPA backw
   4 matmuls per Q tile: the program owns its dK/dV tiles and walks the sequence's Q tiles, rebuilding ln_q from
   q and the statistics and reading d(o): S^T = K ln_q^T, dV += act(S^T) * scale d(o), dP^T = V d(o)^T,
   dK += (act'(S^T) * scale * dP^T) ln_q. Deterministic (no atomics); a sequence without tokens gets zeros.
-The pair does the GDPA backward's 7 matmuls per head, S tile and Q tile, like the unfused graph; what it saves
-is the norms' own passes (ln_q, d(ln_q) and d(o) never round-trip through separate kernels).
+The pair does the GDPA backward's 7 matmuls per head, S tile and Q tile, like the unfused graph. The split
+design's backward uses the same dK/dV kernel (d(o) from the RMSNorm-backward kernel).
 
 MMA operands are q's dtype (ln_q, P, d(o), dS rounded to it, as the reference does), accumulation fp32; fp32
 inputs use ``dot_input_precision`` (exact unless TF32 is allowed for CUDA matmuls).
@@ -601,12 +619,14 @@ def _alloc(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 def fna_config(q: Tensor, k: Tensor, kernel: str = "fwd") -> FnaConfig:
-    """The default tiles of ``kernel`` ("fwd", "bwd": the backward's Q-tile kernel, "dkdv"). On CUDA, from a
-    sweep on the H200 (bf16, D = 128, B = 768, S = 128, H in {2, 8}; scratch sweep, figures in the module
-    docstring): 64-token Q tiles, 4 warps; S tiles of 32 in the forward, 64 in the backward. 8 warps were
-    slower in every kernel (the 64-row wgmma tile is one warpgroup's). D <= 64 was not measured: the same
-    tiles with 64-wide S tiles. In the interpreter (CPU tensors) 16 x 16 tiles, so small test sequences span
-    several Q and S tiles."""
+    """The default tiles of ``kernel``'s attention kernels ("fwd"; "bwd": the backward's Q-tile kernel;
+    "dkdv"). On CUDA, from sweeps on the H200 (bf16, D = 128, B = 768, S = 128, Lmax = 1024, H in {2, 8}):
+    64-token Q tiles, 4 warps; S tiles of 32 and 3 stages in the forward, 64 and 2 stages in the backward.
+    8 warps and 128-token tiles were slower in every kernel of both designs (the 64-row wgmma tile is one
+    warpgroup's; split forward 64 x 32: 0.574 ms at H = 2, 64 x 64: 0.669, 128 x 32 x 8 warps: 0.746). The
+    fused design's backward was fastest at 32 x 64 (1.98 ms, no wgmma) but it is not the default design.
+    D <= 64 was not measured: the same tiles with 64-wide S tiles. In the interpreter (CPU tensors) 16 x 16
+    tiles, so small test sequences span several Q and S tiles."""
     s = k.shape[1]
     block_n = min(64, pow2_at_least(s))
     if q.device.type != "cuda":
