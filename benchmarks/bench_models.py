@@ -1,0 +1,420 @@
+"""Model benchmark: whole training steps (forward + backward + AdamW step) with backend="fusenorm" against plain
+Inductor, both ``torch.compile(dynamic=False)``, same seed, same batches, bf16 on CUDA.
+
+Models (``--models``, default all; the examples in ``examples/`` build them):
+    mlp    ads-style post-LN stack, ``--mlp-depth`` (6) x (Linear -> LayerNorm), M = ``--mlp-rows`` (262144) rows,
+           width d in ``--mlp-widths`` (256,512,1024), BCE head (examples/train_mlp.py); plus the same stack
+           with the norms replaced by identity, compiled by Inductor and timed only (``no_norm``), giving
+               norm_share      = (t_inductor - t_no_norm) / t_inductor
+               share_recovered = (t_inductor - t_fusenorm) / (t_inductor - t_no_norm)   target >= 0.75
+    pffn   Kunlun-style PFFN stack: ``--pffn-blocks`` (3) FlashNormAttention blocks with q/k/v/output projections
+           on the padded dense composite, B = 256, Lmax = 512, H = 2, D = 128, S = 128 (examples/train_pffn.py;
+           B = 768 of the attention benchmark does not leave room for a training stack)      target >= 1.3x;
+           fusenorm is timed once more with flash_norm_attention's host-side offset check off (one device
+           sync per block and step; the rewritten block's offsets are valid by construction): speedup_nocheck
+    llama  HF LlamaForCausalLM, h = 2048, 6 layers, 16 heads, batch 4 x 2048, random weights  target >= 1.00x
+    bert   HF BertForMaskedLM, h = 1024, 6 layers, 16 heads, batch 16 x 512, random weights   target >= 1.00x
+           (llama and bert only where ``transformers`` is importable: examples/train_hf.py)
+Per model and backend: ``--steps`` (200) steps, step time = median of the last ``--timed`` (50) steps
+(CUDA events, no host sync inside the loop), peak memory (``torch.cuda.max_memory_allocated``), the first
+step's wall time (compilation included). Per model: speedup = t_inductor / t_fusenorm, loss agreement (max
+|loss_fusenorm - loss_inductor| over the run, relative difference of the final losses and of the mean of the
+last 10% of the steps, "agree" within examples/_common.py's LOSS_TOL), and fusenorm's match report summary:
+every norm site fused (by which pattern) or left unfused (with the reasons the report gives), backward fusions.
+``--noise-ref`` also trains each model eagerly (no compile, ~+30 s of GPU time for the default grid): eager vs
+Inductor is how far two correct bf16 runs drift apart, the yardstick for fusenorm vs Inductor.
+
+Run on the GPU machine (the default grid: ~6-8 minutes on one H200, most of it compiling):
+    python benchmarks/bench_models.py                          # -> benchmarks/results/models_h200.{json,png}
+    python benchmarks/bench_models.py --models mlp --out /tmp/m1.json          # a part of the grid
+    python benchmarks/bench_models.py --models pffn,llama,bert --out /tmp/m2.json
+    python benchmarks/bench_models.py --merge /tmp/m1.json /tmp/m2.json --out benchmarks/results/models_h200.json
+    python benchmarks/bench_models.py --dry-run                # CPU, tiny shapes, every code path (~2 minutes)
+On two GPUs, the two parts at once (each compiles on its own CPU cores), then --merge as above:
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_models.py --models mlp --out /tmp/m1.json &
+    CUDA_VISIBLE_DEVICES=1 python benchmarks/bench_models.py --models pffn,llama,bert --out /tmp/m2.json & wait
+Leave TORCHINDUCTOR_FORCE_DISABLE_CACHES unset: it also disables the kernel caches, and the 15 compiles of the
+grid then compile every Triton kernel again (the script switches off the graph caches itself).
+The JSON is rewritten after every model, so a run stopped by a time limit keeps its rows; ``--resume`` then
+measures only the missing ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+import _common  # noqa: E402  (examples/_common.py: training loop, report summary, plots)
+import bench_gemm_norm as gn  # noqa: E402  (the harness: JSON, PNG path, git commit, torch setup)
+import train_hf  # noqa: E402
+import train_mlp  # noqa: E402
+import train_pffn  # noqa: E402
+
+DEFAULT_OUT = "benchmarks/results/models_h200.json"
+DRY_OUT = "/tmp/models_dry_run.json"
+ALL_MODELS = ("mlp", "pffn", "llama", "bert")
+TARGETS = {
+    "mlp": ("share_recovered", 0.75, "share of the norms' step time recovered, (t_ind - t_fn) / (t_ind - t_no_norm)"),
+    "pffn": ("speedup", 1.3, "t_inductor / t_fusenorm"),
+    "llama": ("speedup", 1.0, "t_inductor / t_fusenorm; and every norm site fused or reported with a reason"),
+    "bert": ("speedup", 1.0, "t_inductor / t_fusenorm; and every norm site fused or reported with a reason"),
+}
+SIZES = {  # (default run, --dry-run)
+    "mlp": (dict(rows=262144, depth=6, widths=[256, 512, 1024]), dict(rows=256, depth=2, widths=[32])),
+    "pffn": (dict(batch=256, lmax=512, heads=2, dim=128, ctx=128, blocks=3),
+             dict(batch=3, lmax=10, heads=2, dim=16, ctx=8, blocks=1)),
+    "llama": (train_hf.CUDA_DEFAULTS["llama"], train_hf.CPU_DEFAULTS["llama"]),
+    "bert": (train_hf.CUDA_DEFAULTS["bert"], train_hf.CPU_DEFAULTS["bert"]),
+}
+LR = {"mlp": 1e-3, "pffn": 1e-3, "llama": 3e-4, "bert": 3e-4}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One model
+# ----------------------------------------------------------------------------------------------------------
+
+
+def row_of(name: str, kind: str, config: dict, result: dict, dtype: torch.dtype) -> dict:
+    """A JSON row from a ``_common.compare`` result."""
+    runs = result["runs"]
+    fn, ind = runs["fusenorm"], runs["inductor"]
+    return {
+        "name": name, "model": kind, "config": config, "dtype": str(dtype).replace("torch.", ""),
+        "steps": result["steps"], "timed": result["timed"],
+        "t_fusenorm_ms": fn["median_ms"], "t_inductor_ms": ind["median_ms"], "speedup": result.get("speedup"),
+        "peak_fusenorm_mib": fn["peak_mib"], "peak_inductor_mib": ind["peak_mib"],
+        "first_step_fusenorm_s": fn["first_step_s"], "first_step_inductor_s": ind["first_step_s"],
+        "loss": result["agreement"],
+        "loss_noise_ref": result.get("noise_ref"),
+        "t_eager_ms": runs["eager"]["median_ms"] if "eager" in runs else None,
+        "report": fn["report"],
+        "losses": {k: r["losses"] for k, r in runs.items()},
+        "step_ms": {k: r["step_ms"] for k, r in runs.items()},
+    }
+
+
+def judge(row: dict) -> None:
+    """The issue's target for the row's model, met or not."""
+    metric, goal, what = TARGETS[row["model"]]
+    value = row.get(metric)
+    met = value is not None and value >= goal
+    if row["model"] in ("llama", "bert"):
+        rep = row["report"]
+        met = met and rep["unaccounted_sites"] == 0 and not rep["errors"]
+    met = met and row["loss"]["agree"]
+    row["target"] = {"metric": metric, "goal": goal, "value": value, "what": what, "met": bool(met)}
+
+
+def run_mlp(width: int, args, device: str, dtype: torch.dtype) -> dict:
+    s = args.sizes["mlp"]
+    batches = train_mlp.make_batches(s["rows"], width, args.batches, device, dtype)
+    config = {"rows": s["rows"], "width": width, "depth": s["depth"], "norm": "LayerNorm (affine)", "act": "none"}
+    result = _common.compare(lambda: train_mlp.MLP(width, width, s["depth"]), batches, train_mlp.bce_loss,
+                             steps=args.steps, lr=LR["mlp"], device=device, dtype=dtype, timed=args.timed,
+                             backends=args.backends, log=log)
+    row = row_of(f"mlp_d{width}", "mlp", config, result, dtype)
+    # The same stack with the norms replaced by identity, Inductor, timed only.
+    torch.manual_seed(0)
+    base = train_mlp.MLP(width, width, s["depth"], norm="none")
+    nn_run = _common.run_backend(base, "inductor", batches, train_mlp.bce_loss, 1 + args.extra_warmup + args.timed,
+                                 LR["mlp"], device, dtype, args.timed)
+    log(f"   no norm: median step {nn_run['median_ms']:.3f} ms")
+    t_fn, t_ind, t_nn = row["t_fusenorm_ms"], row["t_inductor_ms"], nn_run["median_ms"]
+    row.update(t_no_norm_ms=t_nn, peak_no_norm_mib=nn_run["peak_mib"],
+               norm_share=(t_ind - t_nn) / t_ind if t_ind > 0 else None,
+               share_recovered=(t_ind - t_fn) / (t_ind - t_nn) if t_ind - t_nn > 0 else None)
+    row["step_ms"]["no_norm (inductor)"] = nn_run["step_ms"]
+    return row
+
+
+def run_pffn(args, device: str, dtype: torch.dtype) -> dict:
+    s = args.sizes["pffn"]
+    hd = s["heads"] * s["dim"]
+    batches = train_pffn.make_batches(s["batch"], s["lmax"], s["ctx"], hd, hd, args.batches, device, dtype)
+    config = dict(s, d_model=hd, d_ctx=hd, offset_check=not args.no_offset_check, activation="fast_gelu",
+                  form="padded dense einsum composite, bool padding mask")
+    result = _common.compare(lambda: train_pffn.PFFNStack(hd, hd, s["heads"], s["dim"], s["blocks"]), batches,
+                             train_pffn.mse_loss, steps=args.steps, lr=LR["pffn"], device=device, dtype=dtype,
+                             timed=args.timed, backends=args.backends, log=log)
+    row = row_of("pffn", "pffn", config, result, dtype)
+    if not args.no_offset_check:
+        # flash_norm_attention checks its offsets on the host (a sync per call); the rewritten dense block's
+        # offsets are arange(B + 1) * Lmax, valid by construction: time fusenorm once more without the check.
+        from fusenorm_inductor.ops import flash_norm_attention as fna
+
+        torch.manual_seed(0)
+        base = train_pffn.PFFNStack(hd, hd, s["heads"], s["dim"], s["blocks"])
+        fna.CHECK_OFFSETS = False
+        try:
+            nc = _common.run_backend(base, "fusenorm", batches, train_pffn.mse_loss, 1 + args.extra_warmup
+                                     + args.timed, LR["pffn"], device, dtype, args.timed)
+        finally:
+            fna.CHECK_OFFSETS = True
+        log(f"  fusenorm without the offset check: median step {nc['median_ms']:.3f} ms")
+        row.update(t_fusenorm_nocheck_ms=nc["median_ms"],
+                   speedup_nocheck=row["t_inductor_ms"] / nc["median_ms"] if nc["median_ms"] > 0 else None)
+        row["step_ms"]["fusenorm, no offset check"] = nc["step_ms"]
+    return row
+
+
+def run_hf(kind: str, args, device: str, dtype: torch.dtype) -> dict:
+    c = dict(args.sizes[kind])
+    batches = train_hf.make_batches(kind, c, args.batches, device)
+    result = _common.compare(lambda: train_hf.make_model(kind, c), batches, train_hf.lm_loss, steps=args.steps,
+                             lr=LR[kind], device=device, dtype=dtype, timed=args.timed, backends=args.backends,
+                             log=log)
+    config = dict(c, dropout="p = 0, zero-probability nn.Dropout modules replaced by identities", attn="sdpa")
+    return row_of(kind, kind, config, result, dtype)
+
+
+def jobs(args) -> list[tuple[str, str, object]]:
+    """(row name, model kind, run function) in the order measured."""
+    out = []
+    for kind in args.models:
+        if kind == "mlp":
+            out += [(f"mlp_d{w}", "mlp", lambda a, d, t, w=w: run_mlp(w, a, d, t)) for w in args.sizes["mlp"]["widths"]]
+        elif kind == "pffn":
+            out.append(("pffn", "pffn", run_pffn))
+        else:
+            out.append((kind, kind, lambda a, d, t, k=kind: run_hf(k, a, d, t)))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------------------------------------
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _f(x, spec: str, width: int = 0) -> str:
+    return (format(x, spec) if isinstance(x, (int, float)) else "-").rjust(width)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'model':>9} | {'fusenorm':>9} {'inductor':>9} {'no norm':>9} ms | {'speedup':>7} {'share':>6} "
+          f"{'recov':>6} | {'peak MiB fn/ind':>15} | {'loss max|d|':>11} {'final rel':>9} {'eager|d|':>9} | "
+          f"{'sites':>9} | target")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:>9} | ERROR {r['error']}")
+            continue
+        rep, t = r["report"], r.get("target", {})
+        sites = f"{rep['fused_sites']}/{rep['norm_sites']}" + (f" ({rep['unaccounted_sites']} UNACCOUNTED)"
+                                                              if rep["unaccounted_sites"] else "")
+        peak = f"{_f(r['peak_fusenorm_mib'], '.0f')}/{_f(r['peak_inductor_mib'], '.0f')}"
+        print(f"{r['name']:>9} | {_f(r['t_fusenorm_ms'], '.3f', 9)} {_f(r['t_inductor_ms'], '.3f', 9)} "
+              f"{_f(r.get('t_no_norm_ms'), '.3f', 9)}    | {_f(r['speedup'], '.3f', 7)} "
+              f"{_f(r.get('norm_share'), '.0%', 6)} {_f(r.get('share_recovered'), '.0%', 6)} | {peak:>15} | "
+              f"{_f(r['loss']['max_abs_diff'], '.3g', 11)} {_f(r['loss']['final_rel_diff'], '.2g', 9)} "
+              f"{_f((r.get('loss_noise_ref') or {}).get('max_abs_diff'), '.3g', 9)} | "
+              f"{sites:>9} | {t.get('metric', '')} {_f(t.get('value'), '.3f')} >= {t.get('goal', '')}: "
+              f"{'met' if t.get('met') else 'NOT met'}")
+    for r in rows:
+        if r.get("t_fusenorm_nocheck_ms"):
+            print(f"{r['name']}: fusenorm without flash_norm_attention's offset check "
+                  f"{r['t_fusenorm_nocheck_ms']:.3f} ms, speedup {_f(r.get('speedup_nocheck'), '.3f')}")
+    print("eager|d|: max |loss_eager - loss_inductor| (--noise-ref); sites: norm sites fused / all (match report); "
+          "target: the issue's, and the losses agree")
+
+
+def plot(data: dict, path: str) -> None:
+    """One row per model: loss curves of both backends, step times (no-norm median as a dashed line)."""
+    plt = gn.pyplot()
+    rows = [r for r in data["rows"] if "losses" in r]
+    if plt is None or not rows:
+        return
+    fig, axes = plt.subplots(len(rows), 2, figsize=(11, 2.6 * len(rows)), squeeze=False)
+    for ax, r in zip(axes, rows):
+        runs = {k: {"losses": r["losses"][k], "step_ms": r["step_ms"][k], "median_ms": r[f"t_{k}_ms"]}
+                for k in ("fusenorm", "inductor", "eager") if k in r["losses"]}
+        _common.plot_panels(ax, r["name"], {"runs": runs, "agreement": r["loss"], "speedup": r["speedup"],
+                                             "timed": r["timed"]})
+        if r.get("t_no_norm_ms"):
+            ax[1].axhline(r["t_no_norm_ms"], color="k", ls="--", lw=0.8,
+                          label=f"no norms (inductor): {r['t_no_norm_ms']:.3g} ms")
+            ax[1].legend(fontsize=6)
+    m = data["meta"]
+    fig.suptitle(f"fusenorm vs Inductor, training steps: {m.get('gpu')}, torch {m.get('torch')}, {m.get('date')}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def meta_block(args, device: str, tuning: dict) -> dict:
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or '?'})",
+        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+        "transformers": _transformers_version(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": gn._git_commit(),
+        "device": device, "dtype": str(args.dtype).replace("torch.", ""),
+        "steps": args.steps, "timed": args.timed, "timing_only_steps": 1 + args.extra_warmup + args.timed,
+        "batches": args.batches, "dry_run": args.dry_run, "backends": list(args.backends), "lr": LR,
+        "optimizer": "AdamW (fused on CUDA)",
+        "timer": ("CUDA events around each step, no host sync inside the loop; median of the last `timed` steps"
+                  if device == "cuda" else "wall clock, CPU (dry run: meaningless)"),
+        "compile": "torch.compile(model, backend=..., dynamic=False); Inductor FX graph / AOTAutograd caches off",
+        "fusenorm_tuning": tuning,
+        "targets": {k: {"metric": m, "goal": g, "what": w} for k, (m, g, w) in TARGETS.items()},
+        "loss_tol": {str(k).replace("torch.", ""): v for k, v in _common.LOSS_TOL.items()},
+        "metrics": {
+            "speedup": "t_inductor_ms / t_fusenorm_ms (median step times)",
+            "norm_share": "(t_inductor - t_no_norm) / t_inductor (mlp)",
+            "share_recovered": "(t_inductor - t_fusenorm) / (t_inductor - t_no_norm) (mlp)",
+            "loss.max_abs_diff": "max over steps of |loss_fusenorm - loss_inductor|",
+            "loss.final_rel_diff": "|final loss difference| / |final inductor loss|",
+            "loss.tail_rel_diff": "relative difference of the mean losses over the last tail_steps steps",
+            "report": "fusenorm's match report summary: norm sites fused (by pattern) / unfused (reasons)",
+        },
+    }
+
+
+def _transformers_version():
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers.__version__
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[-2:]))
+    p.add_argument("--models", default=",".join(ALL_MODELS), help=f"comma list of {', '.join(ALL_MODELS)}")
+    p.add_argument("--steps", type=int, default=None, help="training steps per backend (default 200; dry run 4)")
+    p.add_argument("--timed", type=int, default=None, help="median over the last TIMED steps (default 50; dry 2)")
+    p.add_argument("--extra-warmup", type=int, default=None,
+                   help="untimed steps after the first of the timing-only runs (the MLP without norms, PFFN "
+                        "without the offset check; default 10, dry run 1)")
+    p.add_argument("--mlp-widths", default=None, help="comma list (default 256,512,1024; dry run 32)")
+    p.add_argument("--mlp-rows", type=int, default=None, help="M (default 262144)")
+    p.add_argument("--mlp-depth", type=int, default=None, help="Linear -> LayerNorm blocks (default 6)")
+    p.add_argument("--pffn-blocks", type=int, default=None, help="PFFN blocks (default 3)")
+    p.add_argument("--pffn-batch", type=int, default=None, help="PFFN sequences B (default 256)")
+    p.add_argument("--pffn-lmax", type=int, default=None, help="PFFN padded length Lmax (default 512)")
+    p.add_argument("--no-offset-check", action="store_true",
+                   help="PFFN: skip flash_norm_attention's host-side offset check (one sync per call)")
+    p.add_argument("--batches", type=int, default=None, help="distinct batches per model, cycled (default 4)")
+    p.add_argument("--noise-ref", action="store_true",
+                   help="also train each model eagerly (no compile): how far two correct bf16 runs drift apart "
+                        "(loss_noise_ref: eager vs Inductor), to judge the fusenorm-vs-Inductor difference by")
+    p.add_argument("--out", default=None, help=f"JSON to write (default {DEFAULT_OUT}); the PNG goes beside it")
+    p.add_argument("--resume", action="store_true", help="keep the rows already in --out, measure the others")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="merge partial runs into --out, print, plot")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, a few steps (times meaningless)")
+    a = p.parse_args(argv)
+    dry = a.dry_run
+    a.models = [m.strip() for m in a.models.split(",") if m.strip()]
+    bad = [m for m in a.models if m not in ALL_MODELS]
+    if bad:
+        p.error(f"--models: {bad} not in {ALL_MODELS}")
+    a.steps = a.steps or (4 if dry else 200)
+    a.timed = a.timed or (2 if dry else 50)
+    a.timed = min(a.timed, a.steps - 1) if a.steps > 1 else 1
+    a.extra_warmup = a.extra_warmup if a.extra_warmup is not None else (1 if dry else 10)
+    a.batches = a.batches or (2 if dry else 4)
+    a.sizes = {k: dict(v[1] if dry else v[0]) for k, v in SIZES.items()}
+    mlp, pffn = a.sizes["mlp"], a.sizes["pffn"]
+    if a.mlp_widths:
+        mlp["widths"] = [int(x) for x in a.mlp_widths.split(",")]
+    mlp["rows"] = a.mlp_rows or mlp["rows"]
+    mlp["depth"] = a.mlp_depth or mlp["depth"]
+    pffn["blocks"] = a.pffn_blocks or pffn["blocks"]
+    pffn["batch"] = a.pffn_batch or pffn["batch"]
+    pffn["lmax"] = a.pffn_lmax or pffn["lmax"]
+    a.out = a.out or (DRY_OUT if dry else DEFAULT_OUT)
+    a.backends = ("fusenorm", "inductor") + (("eager",) if a.noise_ref else ())
+    return a
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.merge:
+        data = gn.merge(args.merge, key=lambda r: (r["name"],))
+        gn.write_json(args.out, data)
+        print_table(data["rows"])
+        plot(data, gn.png_path(args.out))
+        return data
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: use --dry-run to check the script on the CPU")
+    args.dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.dry_run:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.vec_isa_ok = False  # scalar C++ kernels: compile ~2x faster; CPU times mean nothing
+    if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1":
+        log("note: TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 disables the kernel caches too: compiles will be slower")
+    tuning = gn.setup_torch()  # fusenorm registered and not enabled globally (the baseline is plain Inductor)
+    if args.no_offset_check:
+        from fusenorm_inductor.ops import flash_norm_attention as fna
+
+        fna.CHECK_OFFSETS = False
+    meta = meta_block(args, device, tuning)
+    done = {}
+    if args.resume and os.path.exists(args.out):
+        with open(args.out) as f:
+            done = {r["name"]: r for r in json.load(f)["rows"] if "error" not in r and "skipped" not in r}
+    rows = list(done.values())
+    t_start = time.time()
+    have_hf = train_hf.have_transformers()
+    for name, kind, fn in jobs(args):
+        if name in done:
+            continue
+        if kind in ("llama", "bert") and not have_hf:
+            log(f"== {name}: skipped (transformers is not installed)")
+            rows.append({"name": name, "model": kind, "skipped": "transformers is not installed"})
+            continue
+        log(f"== {name}")
+        t0 = time.time()
+        try:
+            row = fn(args, device, args.dtype)
+            judge(row)
+        except Exception as e:  # noqa: BLE001 (one failing model is recorded, the others still run)
+            import traceback
+
+            traceback.print_exc()
+            row = {"name": name, "model": kind, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+        finally:
+            torch._dynamo.reset()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        row["wall_s"] = time.time() - t0
+        rows.append(row)
+        if "report" in row:
+            log(_common.format_summary(row["report"]))
+        log(f"   {name}: {row['wall_s']:.0f} s")
+        gn.write_json(args.out, {"meta": {**meta, "partial": True}, "rows": rows}, quiet=True)
+    meta["wall_s"] = time.time() - t_start
+    data = {"meta": meta, "rows": rows}
+    gn.write_json(args.out, data)
+    print_table([r for r in rows if "skipped" not in r])
+    plot(data, gn.png_path(args.out))
+    print(f"total wall time {meta['wall_s']:.0f} s")
+    return data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,484 @@
+"""What the training examples (and ``benchmarks/bench_models.py``) share: the same model trained from the same
+seed with ``backend="fusenorm"`` and with plain Inductor, step times, loss-curve agreement, fusenorm's match
+report, and the plot / JSON output.
+
+One comparison (``compare``):
+    base = make_model() under torch.manual_seed(seed)          # built once; every backend trains a deepcopy
+    for backend in ("fusenorm", "inductor"):
+        torch._dynamo.reset(); model = torch.compile(deepcopy(base), backend=backend, dynamic=False)
+        train ``steps`` steps (forward, backward, AdamW step) on the same batches, in the same order
+Step times: on CUDA one pair of CUDA events per step (no host sync inside the loop: the loss values are read
+back after the last step), on the CPU wall clock. The first step includes compilation; its wall time is kept
+separately (``first_step_s``) and the step time reported is the median of the last ``timed`` steps.
+Peak memory: ``torch.cuda.max_memory_allocated`` over the run (model, optimizer state, batches, activations).
+
+Graph caches: Inductor's FX graph cache and AOTAutograd's cache are switched off while compiling (a cache hit
+would skip fusenorm's passes, and with them the match report); kernel caches stay on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+if importlib.util.find_spec("fusenorm_inductor") is None:  # a checkout that is not pip-installed
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+BACKENDS = ("fusenorm", "inductor")
+LOSS_TOL = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+"""Allowed relative difference of the two runs' mean loss over the last steps (``loss_agreement``). fp32: the
+two graphs sum in different orders only (the CPU runs agree to ~1e-6). bf16/fp16: two graphs that round at
+different places drift apart step by step like any two bf16 runs; the mean over the tail of the run stays
+within a few % (an error in a fused kernel shows up as a loss that is off by far more, or not decreasing)."""
+
+
+def pick_device(dtype: Optional[str] = None) -> tuple[str, torch.dtype]:
+    """("cuda", bf16) where a GPU is present, else ("cpu", fp32); ``dtype`` (a name) overrides the dtype."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    default = "bfloat16" if device == "cuda" else "float32"
+    return device, getattr(torch, dtype or default)
+
+
+@contextlib.contextmanager
+def no_graph_caches():
+    """Inductor's FX graph cache and AOTAutograd's cache off: every compile runs fusenorm's passes."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+_warmed_up = False
+
+
+def warm_up_compiler(device: str) -> None:
+    """Compile one tiny function first, once per process: Inductor starts its compile workers on the first
+    compile, and their start-up would otherwise run beside the first model's timed steps."""
+    global _warmed_up
+    if _warmed_up:
+        return
+    _warmed_up = True
+    with no_graph_caches():
+        torch._dynamo.reset()
+        torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="inductor", dynamic=False)(torch.ones(8, device=device))
+        torch._dynamo.reset()
+
+
+def compile_model(model: nn.Module, backend: str) -> nn.Module:
+    """``torch.compile(model, backend=backend, dynamic=False)`` after a Dynamo reset; "eager": the model itself."""
+    torch._dynamo.reset()
+    if backend == "eager":
+        return model
+    import fusenorm_inductor
+
+    if backend == "inductor" and fusenorm_inductor.config.enabled:  # FUSENORM_ENABLE=1: keep the baseline plain
+        fusenorm_inductor.disable()
+    if backend == "fusenorm":
+        try:
+            torch._dynamo.lookup_backend("fusenorm")
+        except Exception:  # run from a checkout that is not pip-installed: no entry point, same backend
+            backend = fusenorm_inductor.fusenorm_backend
+    return torch.compile(model, backend=backend, dynamic=False)
+
+
+def make_optimizer(model: nn.Module, lr: float, device: str) -> torch.optim.Optimizer:
+    """AdamW, the same for every backend (fused on CUDA: the optimizer is not what is compared)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, fused=device == "cuda")
+
+
+def train(model: nn.Module, batches: Sequence, loss_fn: Callable, steps: int, lr: float, device: str
+          ) -> tuple[list[float], list[float], float]:
+    """``steps`` training steps on ``batches`` (cycled); returns (losses, step times in ms, first step's wall
+    time in s, compilation included)."""
+    opt = make_optimizer(model, lr, device)
+    cuda = device == "cuda"
+    losses, times, events = [], [], []
+    first_s = float("nan")
+    for step in range(steps):
+        batch = batches[step % len(batches)]
+        t0 = time.perf_counter()
+        if cuda:
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        if cuda:
+            ev[1].record()
+            events.append(ev)
+        if step == 0 and cuda:
+            torch.cuda.synchronize()
+        if step == 0:
+            first_s = time.perf_counter() - t0
+        if not cuda:
+            times.append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+        times = [a.elapsed_time(b) for a, b in events]
+    return torch.stack(losses).float().cpu().tolist(), times, first_s
+
+
+def run_backend(base: nn.Module, backend: str, batches: Sequence, loss_fn: Callable, steps: int, lr: float,
+                device: str, dtype: torch.dtype, timed: int) -> dict:
+    """Train a copy of ``base`` compiled with ``backend``: losses, step times, medians, peak memory, and (for
+    fusenorm) the match reports of the graphs compiled."""
+    import fusenorm_inductor
+
+    model = copy.deepcopy(base).to(device=device, dtype=dtype)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    seen = {id(r) for r in fusenorm_inductor.reports()}
+    t0 = time.perf_counter()
+    with no_graph_caches():
+        compiled = compile_model(model, backend)
+        losses, times, first_s = train(compiled, batches, loss_fn, steps, lr, device)
+    out = {
+        "backend": backend,
+        "losses": losses,
+        "step_ms": times,
+        "median_ms": median_tail(times, timed),
+        "first_step_s": first_s,
+        "wall_s": time.perf_counter() - t0,
+        "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None,
+    }
+    if backend == "fusenorm":
+        reports = [r for r in fusenorm_inductor.reports() if id(r) not in seen]
+        out["reports"] = reports
+        out["report"] = summarize_reports(reports)
+    del compiled, model
+    torch._dynamo.reset()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def median_tail(times: Sequence[float], timed: int) -> float:
+    """Median of the last ``timed`` step times (never the first step: it compiles)."""
+    tail = list(times[1:])[-timed:] if len(times) > 1 else list(times)
+    return statistics.median(tail) if tail else float("nan")
+
+
+def compare(make_model: Callable[[], nn.Module], batches: Sequence, loss_fn: Callable, *, steps: int, lr: float,
+            device: str, dtype: torch.dtype, seed: int = 0, timed: Optional[int] = None,
+            backends: Iterable[str] = BACKENDS, log: Callable[[str], None] = print) -> dict:
+    """The same model (built once under ``seed``) trained with each backend; returns {"runs": {backend:
+    run_backend(...)}, "agreement": ``loss_agreement`` of the first two backends, "speedup": t_second / t_first,
+    and with a third backend "eager", "noise_ref": eager against the second (the drift of two correct runs)}."""
+    warm_up_compiler(device)
+    torch.manual_seed(seed)
+    base = make_model()
+    timed = timed or max(1, steps // 2)
+    runs: dict[str, Any] = {}
+    for backend in backends:
+        runs[backend] = run_backend(base, backend, batches, loss_fn, steps, lr, device, dtype, timed)
+        r = runs[backend]
+        log(f"  {backend:>8}: median step {r['median_ms']:.3f} ms (last {min(timed, steps - 1)} of {steps} steps), "
+            f"first step {r['first_step_s']:.1f} s, final loss {r['losses'][-1]:.5f}"
+            + (f", peak {r['peak_mib']:.0f} MiB" if r["peak_mib"] is not None else ""))
+    names = list(runs)
+    out = {"runs": runs, "steps": steps, "timed": timed}
+    if len(names) >= 2:
+        a, b = runs[names[0]], runs[names[1]]
+        out["agreement"] = loss_agreement(a["losses"], b["losses"], dtype)
+        out["speedup"] = b["median_ms"] / a["median_ms"] if a["median_ms"] > 0 else float("nan")
+        if "eager" in runs and "eager" not in names[:2]:  # how far two correct runs drift apart in this dtype
+            out["noise_ref"] = loss_agreement(runs["eager"]["losses"], b["losses"], dtype)
+    return out
+
+
+def loss_agreement(a: Sequence[float], b: Sequence[float], dtype: torch.dtype, tail: Optional[int] = None) -> dict:
+    """How close two loss curves are: max |a - b| over the run, the relative difference of the final losses,
+    and ``tail_rel_diff``: the difference of the mean losses over the last ``tail`` steps (default: a tenth of
+    the run, at least one) relative to max(|mean of b there|, |b[0]| / 10); "agree" when that is within
+    ``LOSS_TOL[dtype]`` and every loss is finite. (The floor |b[0]| / 10 keeps a run that has driven its loss
+    to ~0 from comparing rounding noise against ~0.)"""
+    n = min(len(a), len(b))
+    tail = tail or max(1, n // 10)
+    diffs = [abs(x - y) for x, y in zip(a[:n], b[:n])]
+    mean_a, mean_b = sum(a[n - tail:n]) / tail, sum(b[n - tail:n]) / tail
+    finite = all(math.isfinite(x) for x in list(a[:n]) + list(b[:n]))
+    scale = max(abs(mean_b), abs(b[0]) / 10 if n else 0.0, 1e-12)
+    rel_tail = abs(mean_a - mean_b) / scale
+    tol = LOSS_TOL.get(dtype, LOSS_TOL[torch.bfloat16])
+    return {
+        "max_abs_diff": max(diffs) if diffs else float("nan"),
+        "final_rel_diff": abs(a[n - 1] - b[n - 1]) / max(abs(b[n - 1]), 1e-12) if n else float("nan"),
+        "tail_steps": tail,
+        "tail_rel_diff": rel_tail,
+        "tol": tol,
+        "agree": bool(finite and rel_tail <= tol),
+        "first_loss": b[0] if n else None,
+        "last_loss": b[n - 1] if n else None,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The match report: which norm sites were fused, which not and why
+# ----------------------------------------------------------------------------------------------------------
+
+_FWD_SITE_PATTERNS = ("linear_norm_fwd", "norm_linear_fwd")
+
+
+def summarize_reports(reports: Sequence) -> dict:
+    """Norm sites of the compiled graphs and what became of each.
+
+    A norm site is a norm that fusenorm canonicalized (``canonical_*``). The attention patterns take two norms
+    each at the pre-grad stage; every other canonical norm reaches the joint graph, where ``linear_norm_fwd``
+    looks at every norm (so each gets a rewrite or a reason) and ``norm_linear_fwd`` at those left. The
+    summary lists per site: "fused" (pattern names) or the reasons given; ``unaccounted`` counts canonical
+    norms with neither (should be 0). Backward (``dgrad_norm_bwd``) and other patterns are counted apart.
+    """
+    n_canonical = 0
+    rewrites: Counter = Counter()
+    sites: dict[str, dict] = {}
+    other_skips: Counter = Counter()
+    backward = {"fused": 0, "unfused": Counter()}
+    errors: list[str] = []
+
+    def site(graph_id: str, node: str) -> dict:
+        return sites.setdefault(f"{graph_id}:{node}", {"fused": [], "reasons": []})
+
+    for rep in reports:
+        errors += [f"{rep.graph_id}: {e}" for e in rep.errors]
+        for r in rep.rewrites:
+            if r.pattern.startswith("canonical_"):
+                n_canonical += 1
+                continue
+            rewrites[r.pattern] += 1
+            if r.pattern.startswith("attention_block"):
+                for node in r.nodes[:2]:  # the LayerNorm and the RMSNorm of the block
+                    site(rep.graph_id, node)["fused"].append(r.pattern)
+            elif r.pattern in _FWD_SITE_PATTERNS:
+                site(rep.graph_id, r.nodes[0])["fused"].append(r.pattern)
+            elif r.pattern == "dgrad_norm_bwd":
+                backward["fused"] += 1
+        for s in rep.skips:
+            if s.pattern in _FWD_SITE_PATTERNS:
+                site(rep.graph_id, s.node)["reasons"].append(f"{s.pattern}: {s.reason}")
+            elif s.pattern == "dgrad_norm_bwd":
+                backward["unfused"][s.reason] += 1
+            else:
+                other_skips[f"{s.pattern}: {s.reason}"] += 1
+    fused = {k: v for k, v in sites.items() if v["fused"]}
+    unfused = {k: v for k, v in sites.items() if not v["fused"]}
+    unfused_reasons: Counter = Counter()
+    for v in unfused.values():
+        unfused_reasons[" | ".join(v["reasons"]) or "(no reason reported)"] += 1
+    return {
+        "graphs": len(reports),
+        "norm_sites": n_canonical,
+        "fused_sites": len(fused),
+        "unfused_sites": len(unfused),
+        "unaccounted_sites": max(0, n_canonical - len(sites)),
+        "rewrites": dict(sorted(rewrites.items())),
+        "fused_by": dict(Counter(p for v in fused.values() for p in dict.fromkeys(v["fused"]))),
+        "unfused_reasons": dict(unfused_reasons.most_common()),
+        "backward": {"fused": backward["fused"], "unfused": dict(backward["unfused"].most_common())},
+        "other_skips": dict(other_skips.most_common()),
+        "errors": errors,
+    }
+
+
+def format_summary(s: dict) -> str:
+    """The report summary as a few readable lines."""
+    lines = [f"norm sites: {s['norm_sites']} in {s['graphs']} graph(s); fused {s['fused_sites']}"
+             f" ({', '.join(f'{k} x{v}' for k, v in s['fused_by'].items()) or '-'}), unfused {s['unfused_sites']}"
+             + (f", UNACCOUNTED {s['unaccounted_sites']}" if s["unaccounted_sites"] else "")]
+    for reason, n in s["unfused_reasons"].items():
+        lines.append(f"  unfused x{n}: {reason}")
+    bw = s["backward"]
+    lines.append(f"backward (dgrad_norm_bwd): fused {bw['fused']}"
+                 + "".join(f"\n  unfused x{n}: {r}" for r, n in bw["unfused"].items()))
+    for reason, n in s["other_skips"].items():
+        lines.append(f"  seen, not rewritten x{n}: {reason}")
+    for e in s["errors"]:
+        lines.append(f"ERROR (graph left to Inductor): {e}")
+    return "\n".join(lines)
+
+
+def print_report(run: dict, mode: str = "full") -> None:
+    """Print a fusenorm run's match report: "full" (every graph's markdown), "summary" or "none"."""
+    if mode == "none" or "report" not in run:
+        return
+    if not run["reports"]:
+        print("(no match report: nothing was compiled by fusenorm's passes, e.g. a graph-cache hit)")
+        return
+    if mode == "full":
+        for rep in run["reports"]:
+            print(rep.to_markdown())
+    print(format_summary(run["report"]))
+
+
+def print_losses(result: dict, every: Optional[int] = None) -> None:
+    names = list(result["runs"])
+    losses = [result["runs"][n]["losses"] for n in names]
+    steps = len(losses[0])
+    every = every or max(1, steps // 10)
+    print(f"{'step':>5} " + " ".join(f"{'loss ' + n:>14}" for n in names))
+    for i in range(steps):
+        if i % every == 0 or i == steps - 1:
+            print(f"{i:5d} " + " ".join(f"{ls[i]:14.6f}" for ls in losses))
+    ref = result.get("noise_ref")
+    if ref:
+        print(f"noise reference (eager vs {names[1]}): max |diff| {ref['max_abs_diff']:.3g}, final rel diff "
+              f"{ref['final_rel_diff']:.3g}, mean of last {ref['tail_steps']} steps: "
+              f"rel diff {ref['tail_rel_diff']:.3g}")
+    agr = result.get("agreement")
+    if agr:
+        print(f"loss agreement: max |diff| {agr['max_abs_diff']:.3g}, final rel diff {agr['final_rel_diff']:.3g}, "
+              f"mean of last {agr['tail_steps']} steps: rel diff {agr['tail_rel_diff']:.3g} (tol {agr['tol']:g}): "
+              f"{'agree' if agr['agree'] else 'DO NOT AGREE'}")
+
+
+def print_times(result: dict, device: str) -> None:
+    runs = result["runs"]
+    parts = ", ".join(f"{n} {r['median_ms']:.3f} ms" for n, r in runs.items())
+    clock = "CUDA events" if device == "cuda" else "wall clock, CPU: not a performance number"
+    speed = f", speedup {result['speedup']:.3f}x" if "speedup" in result else ""
+    print(f"median step time ({clock}, last {result['timed']} steps): {parts}{speed}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Output: JSON and plots
+# ----------------------------------------------------------------------------------------------------------
+
+
+def jsonable(result: dict) -> dict:
+    """A comparison without the report objects (their summary stays), floats rounded, no NaN/inf."""
+    def clean(x):
+        if isinstance(x, float):
+            return float(f"{x:.6g}") if math.isfinite(x) else None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items() if k != "reports"}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    return clean(result)
+
+
+def write_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(jsonable(data), f, indent=1)
+    os.replace(tmp, path)
+    print(f"wrote {path}")
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with a note) where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed: no plot (pip install matplotlib)")
+        return None
+    return plt
+
+
+def plot_panels(axes, title: str, result: dict) -> None:
+    """Left: loss curves of every backend, and |difference| of the first two on a right-hand axis. Right: step
+    times (the first step, which compiles, left out; the timed window shaded)."""
+    ax_loss, ax_t = axes
+    runs = result["runs"]
+    for name, run in runs.items():
+        ax_loss.plot(run["losses"], label=name, lw=1)
+        ts = run["step_ms"][1:]
+        ax_t.plot(range(1, len(ts) + 1), ts, label=f"{name}: median {run['median_ms']:.3g} ms", lw=0.8)
+    names = list(runs)
+    if len(names) >= 2:
+        a, b = runs[names[0]]["losses"], runs[names[1]]["losses"]
+        ax_d = ax_loss.twinx()
+        ax_d.plot([abs(x - y) for x, y in zip(a, b)], color="grey", lw=0.6, ls=":", label="|difference|")
+        ax_d.set_ylim(bottom=0)
+        ax_d.tick_params(labelsize=6, colors="grey")
+        ax_d.set_ylabel("|difference|", fontsize=6, color="grey")
+    steps = max(len(r["step_ms"]) for r in runs.values())
+    timed = result.get("timed")
+    if timed and steps > 1:
+        ax_t.axvspan(max(1, steps - timed), steps - 1, color="0.9", label=f"timed: last {timed} steps")
+        medians = [r["median_ms"] for r in runs.values() if math.isfinite(r["median_ms"])]
+        if medians:
+            ax_t.set_ylim(0, 2.5 * max(medians))  # compile-time stragglers off the scale
+    agr = result.get("agreement", {})
+    ax_loss.set_title(f"{title}: loss" + (f" (final rel diff {agr['final_rel_diff']:.2g})" if agr else ""),
+                      fontsize=8)
+    ax_loss.set_xlabel("step", fontsize=7)
+    ax_t.set_title(f"{title}: step time, ms" + (f" (speedup {result['speedup']:.3f}x)" if result.get("speedup")
+                                                else ""), fontsize=8)
+    ax_t.set_xlabel("step", fontsize=7)
+    for ax in axes:
+        ax.legend(fontsize=6)
+        ax.tick_params(labelsize=6)
+
+
+def plot_results(results: dict[str, dict], path: str, suptitle: str = "") -> None:
+    """One row per comparison (name -> ``compare`` result): loss curves left, step times right."""
+    plt = pyplot()
+    if plt is None or not results:
+        return
+    fig, axes = plt.subplots(len(results), 2, figsize=(11, 2.6 * len(results)), squeeze=False)
+    for row, (name, result) in zip(axes, results.items()):
+        plot_panels(row, name, result)
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def finish(name: str, result: dict, args, device: str, dtype: torch.dtype, config: dict) -> dict:
+    """What every example prints and writes at the end: report, losses, times, --json, --plot."""
+    print_report(result["runs"].get("fusenorm", {}), getattr(args, "report", "full"))
+    print(f"{name}: {config}, {str(dtype).replace('torch.', '')}, {device}")
+    print_losses(result)
+    print_times(result, device)
+    if getattr(args, "json", None):
+        write_json(args.json, {"model": name, "config": config, "device": device,
+                               "dtype": str(dtype).replace("torch.", ""), **result})
+    if getattr(args, "plot", None):
+        plot_results({name: result}, args.plot, f"{name}, {device}, {str(dtype).replace('torch.', '')}")
+    return result
+
+
+def add_common_args(p, steps_cpu: int, steps_cuda: int) -> None:
+    """--steps, --timed, --lr, --dtype, --seed, --plot, --json, --report, --backends."""
+    cuda = torch.cuda.is_available()
+    p.add_argument("--steps", type=int, default=steps_cuda if cuda else steps_cpu)
+    p.add_argument("--timed", type=int, default=None,
+                   help="step times: median of the last TIMED steps (default: half the run, at most 50)")
+    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the example's)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", metavar="PNG", help="write the loss curves and step times (needs matplotlib)")
+    p.add_argument("--json", metavar="PATH", help="write losses, step times, agreement and the report summary")
+    p.add_argument("--report", choices=["full", "summary", "none"], default=None,
+                   help="how much of fusenorm's match report to print")
+    p.add_argument("--backends", default=",".join(BACKENDS),
+                   help="comma list of backends to compare (fusenorm, inductor, eager); the first two are compared")
+
+
+def timed_steps(args) -> int:
+    return args.timed or max(1, min(50, args.steps // 2))

@@ -1,0 +1,189 @@
+"""Train HF transformers Llama (pre-RMSNorm) and BERT (post-LayerNorm) from small random-weight configs with
+backend="fusenorm" and with plain Inductor from the same seed; print the match report summary (every norm
+site: fused, or the reason it was not), both losses and both step times.
+
+Needs ``transformers`` (the optional extra: ``pip install -e ".[examples]"``); without it this prints a note
+and exits 0.
+
+    python examples/train_hf.py                              # CPU: tiny configs, both models
+    python examples/train_hf.py --model llama --plot /tmp/llama.png
+    python examples/train_hf.py --model bert --hidden 1024 --layers 6 --batch 16 --seq 512   # CUDA defaults
+
+Data: token sequences of a fixed random Markov chain (each token is followed by a fixed successor with
+probability 0.9, else by a uniformly random token), so that both losses can fall: Llama is trained as a
+causal LM (labels = inputs, shifted inside the model), BERT as a masked LM (15% of the positions replaced
+by a mask token and predicted). The CUDA defaults are the shapes of the project's H200 baselines: Llama
+h = 2048, 6 layers, batch 4 x 2048; BERT h = 1024, 6 layers, batch 16 x 512.
+
+Dropout: the configs set every dropout probability to 0 (two compiled graphs would otherwise draw different
+random masks). A zero-probability ``nn.Dropout`` still traces to an ``aten.clone`` between BERT's output
+linear and its residual add, which hides the linear from fusenorm's post-norm pattern; the examples replace
+those modules by identities (``--keep-dropout-modules`` keeps them, and the report then says why BERT's
+post-norms are not fused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+MODELS = ("llama", "bert")
+CUDA_DEFAULTS = {
+    "llama": dict(hidden=2048, layers=6, heads=16, intermediate=5632, vocab=32000, batch=4, seq=2048),
+    "bert": dict(hidden=1024, layers=6, heads=16, intermediate=4096, vocab=30522, batch=16, seq=512),
+}
+CPU_DEFAULTS = {
+    "llama": dict(hidden=64, layers=2, heads=4, intermediate=128, vocab=128, batch=2, seq=16),
+    "bert": dict(hidden=64, layers=2, heads=4, intermediate=128, vocab=128, batch=2, seq=16),
+}
+
+
+def have_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _ZeroDropout(nn.Identity):
+    """An identity where a zero-probability nn.Dropout was (HF attention code reads ``.p``)."""
+
+    p = 0.0
+
+
+def strip_zero_dropout(model: nn.Module) -> int:
+    """Replace every ``nn.Dropout`` with p == 0 by an identity; returns how many."""
+    n = 0
+    for mod in list(model.modules()):
+        for name, child in list(mod.named_children()):
+            if isinstance(child, nn.Dropout) and child.p == 0:
+                setattr(mod, name, _ZeroDropout())
+                n += 1
+    return n
+
+
+def make_model(kind: str, c: dict, keep_dropout_modules: bool = False) -> nn.Module:
+    """A random-weight LlamaForCausalLM / BertForMaskedLM of config ``c`` (fp32; the caller casts)."""
+    import transformers
+
+    common = dict(vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["intermediate"],
+                  num_hidden_layers=c["layers"], num_attention_heads=c["heads"],
+                  max_position_embeddings=max(c["seq"], 64), attn_implementation="sdpa")
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(num_key_value_heads=c["heads"], attention_dropout=0.0, use_cache=False,
+                                       rms_norm_eps=1e-6, **common)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common)
+        model = transformers.BertForMaskedLM(cfg)
+    if not keep_dropout_modules:
+        strip_zero_dropout(model)
+    return model
+
+
+def mask_token(kind: str, vocab: int) -> int:
+    return vocab - 1  # reserved: the Markov chain never emits it (tokens are drawn from [0, vocab - 1))
+
+
+def make_batches(kind: str, c: dict, n: int, device: str, seed: int = 1) -> list:
+    """``n`` batches of token ids [batch, seq] from a fixed random Markov chain (see the module docstring):
+    Llama: (ids, labels = ids); BERT: (ids with 15% masked, labels = the original ids there, -100 elsewhere)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    v = c["vocab"] - 1
+    successor = torch.randperm(v, generator=gen)
+    out = []
+    for _ in range(n):
+        ids = torch.empty(c["batch"], c["seq"], dtype=torch.long)
+        ids[:, 0] = torch.randint(0, v, (c["batch"],), generator=gen)
+        follow = torch.rand(c["batch"], c["seq"], generator=gen) < 0.9
+        noise = torch.randint(0, v, (c["batch"], c["seq"]), generator=gen)
+        for i in range(1, c["seq"]):
+            ids[:, i] = torch.where(follow[:, i], successor[ids[:, i - 1]], noise[:, i])
+        if kind == "llama":
+            out.append((ids.to(device), ids.to(device)))
+        else:
+            masked = torch.rand(c["batch"], c["seq"], generator=gen) < 0.15
+            masked[:, 0] |= ~masked.any(1)  # at least one prediction per sequence
+            labels = torch.where(masked, ids, torch.full_like(ids, -100))
+            inputs = torch.where(masked, torch.full_like(ids, mask_token(kind, c["vocab"])), ids)
+            out.append((inputs.to(device), labels.to(device)))
+    return out
+
+
+def lm_loss(model, batch):
+    ids, labels = batch
+    return model(input_ids=ids, labels=labels).loss
+
+
+def model_config(kind: str, args) -> dict:
+    c = dict((CUDA_DEFAULTS if torch.cuda.is_available() else CPU_DEFAULTS)[kind])
+    for key in c:
+        if getattr(args, key, None) is not None:
+            c[key] = getattr(args, key)
+    return c
+
+
+def run_model(kind: str, args, device: str, dtype: torch.dtype, log=print) -> tuple[dict, dict]:
+    """(the comparison, the config) for one model."""
+    c = model_config(kind, args)
+    batches = make_batches(kind, c, args.batches, device)
+    result = _common.compare(lambda: make_model(kind, c, args.keep_dropout_modules), batches, lm_loss,
+                             steps=args.steps, lr=args.lr, device=device, dtype=dtype, seed=args.seed,
+                             timed=_common.timed_steps(args), backends=args.backends.split(","), log=log)
+    return result, c
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama,bert", help="comma list of llama, bert")
+    for key in ("hidden", "layers", "heads", "intermediate", "vocab", "batch", "seq"):
+        p.add_argument(f"--{key}", type=int, default=None,
+                       help=f"default: llama {CUDA_DEFAULTS['llama'][key]}, bert {CUDA_DEFAULTS['bert'][key]} on "
+                            f"CUDA; {CPU_DEFAULTS['llama'][key]} on the CPU")
+    p.add_argument("--batches", type=int, default=4, help="distinct batches, cycled")
+    p.add_argument("--keep-dropout-modules", action="store_true",
+                   help="keep the zero-probability nn.Dropout modules (they block BERT's post-norm matching)")
+    _common.add_common_args(p, steps_cpu=12, steps_cuda=200)
+    args = p.parse_args(argv)
+    args.lr = args.lr or 3e-4
+    args.report = args.report or "summary"
+    args.model = [m.strip() for m in args.model.split(",") if m.strip()]
+    bad = [m for m in args.model if m not in MODELS]
+    if bad:
+        p.error(f"--model: {bad} not in {MODELS}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if not have_transformers():
+        print("transformers is not installed: skipping the HF examples (pip install transformers, or "
+              "pip install -e \".[examples]\")")
+        return {}
+    device, dtype = _common.pick_device(args.dtype)
+    out = {}
+    for kind in args.model:
+        print(f"== {kind}")
+        result, c = run_model(kind, args, device, dtype)
+        name = {"llama": "HF Llama (pre-RMSNorm)", "bert": "HF BERT (post-LayerNorm)"}[kind]
+        per_model = argparse.Namespace(**vars(args))  # with several models: one PNG / JSON each
+        if len(args.model) > 1:
+            for key, ext in (("plot", ".png"), ("json", ".json")):
+                if getattr(args, key):
+                    root, given = os.path.splitext(getattr(args, key))
+                    setattr(per_model, key, f"{root}_{kind}{given or ext}")
+        out[kind] = _common.finish(name, result, per_model, device, dtype, c)
+    return out
+
+
+if __name__ == "__main__":
+    main()
