@@ -209,3 +209,21 @@ def test_switch_off_leaves_block_unfused(form, device):
     assert not {"attention_block", "attention_block_dense"} & set(fusenorm_counts())
     assert any("disabled by config (patterns.attention_block)" in r
                for r in skips("attention_block", "attention_block_dense"))
+
+
+def test_dense_rewrite_skips_the_offset_check(device):
+    """The dense form's offsets are built by the rewrite (valid by construction): the fused op is called with
+    check_offsets=False (no host read, no device sync per call); the gdpa form's offsets come from the user
+    and stay checked."""
+    def fna_flags(form, inputs):
+        graphs = []
+        with inductor_config.patch(post_grad_custom_post_pass=graphs.append):
+            assert_matches_eager(lambda: FlashNormAttentionBlock(2, 16, form, "relu", 0.5), inputs,
+                                 torch.float32, device)
+        return [n.args[12] if len(n.args) > 12 else n.kwargs.get("check_offsets", True) for g in graphs
+                for n in g.find_nodes(op="call_function", target=fusenorm.flash_norm_attention.default)]
+
+    assert fna_flags("einsum", attention_inputs("einsum")) == [False]
+    torch._dynamo.reset()
+    assert fna_flags("gdpa", attention_inputs("gdpa")) == [True]
+

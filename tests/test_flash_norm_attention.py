@@ -375,6 +375,20 @@ def test_offset_check_skipped_only_while_capturing(monkeypatch):
     fna._check_offsets("op", bad, 3, 8)
 
 
+def test_check_offsets_argument(monkeypatch):
+    """check_offsets=False skips the data check of the offsets for that call only (metadata still checked)."""
+    q, k, v, off, max_len, ws = _inputs((3, 0, 5), 6, 2, 8)
+    args = (q, k, v, off, max_len, *ws, LN_EPS, RMS_EPS, "gelu", SCALE)
+    calls = []
+    monkeypatch.setattr(fna, "check_offsets_values", lambda *a: calls.append(a))
+    flash_norm_attention_op(*args, False)
+    assert calls == []
+    flash_norm_attention_op(*args)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="activation"):  # metadata checks still run
+        flash_norm_attention_op(*args[:-2], "softmax", SCALE, False)
+
+
 def test_unknown_kernel_design_raises():
     pytest.importorskip("triton")
     from fusenorm_inductor.ops import flash_norm_attention_kernels as kern

@@ -41,7 +41,9 @@ output or o); under no_grad o is a temporary of the op.
 
 Offsets: int32 [B+1], q_offsets[0] == 0, non-decreasing, q_offsets[-1] == T, every length <= max_seq_len_q
 (the kernels' grid covers max_seq_len_q rows per sequence). Checking them reads the offsets on the host
-(a device sync on CUDA; skipped while a CUDA graph is captured); ``CHECK_OFFSETS = False`` skips it always.
+(a device sync on CUDA; skipped while a CUDA graph is captured); the op's ``check_offsets=False`` argument
+skips it for one call (the dense-form rewrite passes it: it builds the offsets itself), ``CHECK_OFFSETS = False``
+for every call.
 """
 
 from __future__ import annotations
@@ -281,27 +283,33 @@ def flash_norm_attention_op(
     rms_eps: float,
     activation: str,
     scale: float,
+    check_offsets: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The fused block; see the module docstring. CPU: the reference."""
+    """The fused block; see the module docstring. CPU: the reference. ``check_offsets=False``: the caller
+    guarantees valid offsets (the dense-form rewrite builds them itself), no host read."""
     args = (q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation, scale)
     _check_all(*args)
-    _check_offsets(_OP, q_offsets, q.shape[0], max_seq_len_q)
+    if check_offsets:
+        _check_offsets(_OP, q_offsets, q.shape[0], max_seq_len_q)
     out, mean, rstd, r2, rms_in = flash_norm_attention_reference(*args)
     return out, mean.float(), rstd.float(), r2.float(), rms_in
 
 
 @flash_norm_attention_op.register_kernel("cuda")
-def _(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation, scale):
+def _(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation, scale,
+      check_offsets=True):
     args = (q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation, scale)
     _check_all(*args)
-    _check_offsets(_OP, q_offsets, q.shape[0], max_seq_len_q)
+    if check_offsets:
+        _check_offsets(_OP, q_offsets, q.shape[0], max_seq_len_q)
     from .flash_norm_attention_kernels import flash_norm_attention_triton
 
     return flash_norm_attention_triton(*args)
 
 
 @flash_norm_attention_op.register_fake
-def _(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation, scale):
+def _(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation, scale,
+      check_offsets=True):
     _check_all(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation,
                scale)
     t = q.shape[0]
@@ -311,7 +319,7 @@ def _(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps,
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation, scale = inputs
+    q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation, scale, _ = inputs
     _, mean, rstd, r2, rms_in = output
     # q, the statistics and o; never ln_q (rebuilt) or out.
     ctx.save_for_backward(q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, mean, rstd, r2, rms_in)
@@ -327,7 +335,7 @@ def _backward(ctx, dout, _dmean, _drstd, _dr2, _drms_in):
     )
     pick = lambda gr, w: gr if w is not None else None  # noqa: E731
     return (dq, dk, dv, None, None, pick(dw1, ln_weight), pick(db1, ln_bias), pick(dw2, rms_weight),
-            None, None, None, None)
+            None, None, None, None, None)
 
 
 flash_norm_attention_op.register_autograd(_backward, setup_context=_setup_context)
