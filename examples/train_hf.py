@@ -16,10 +16,9 @@ by a mask token and predicted). The CUDA defaults are the shapes of the project'
 h = 2048, 6 layers, batch 4 x 2048; BERT h = 1024, 6 layers, batch 16 x 512.
 
 Dropout: the configs set every dropout probability to 0 (two compiled graphs would otherwise draw different
-random masks). A zero-probability ``nn.Dropout`` still traces to an ``aten.clone`` between BERT's output
-linear and its residual add, which hides the linear from fusenorm's post-norm pattern; the examples replace
-those modules by identities (``--keep-dropout-modules`` keeps them, and the report then says why BERT's
-post-norms are not fused).
+random masks). A zero-probability ``nn.Dropout`` traces to an ``aten.clone`` between BERT's output linear and
+its residual add; fusenorm's post-norm pattern looks through it. (A dropout with p > 0 in training is a random
+mask there: those post-norms stay unfused, and the report says why.)
 """
 
 from __future__ import annotations
@@ -53,24 +52,7 @@ def have_transformers() -> bool:
     return True
 
 
-class _ZeroDropout(nn.Identity):
-    """An identity where a zero-probability nn.Dropout was (HF attention code reads ``.p``)."""
-
-    p = 0.0
-
-
-def strip_zero_dropout(model: nn.Module) -> int:
-    """Replace every ``nn.Dropout`` with p == 0 by an identity; returns how many."""
-    n = 0
-    for mod in list(model.modules()):
-        for name, child in list(mod.named_children()):
-            if isinstance(child, nn.Dropout) and child.p == 0:
-                setattr(mod, name, _ZeroDropout())
-                n += 1
-    return n
-
-
-def make_model(kind: str, c: dict, keep_dropout_modules: bool = False) -> nn.Module:
+def make_model(kind: str, c: dict) -> nn.Module:
     """A random-weight LlamaForCausalLM / BertForMaskedLM of config ``c`` (fp32; the caller casts)."""
     import transformers
 
@@ -84,8 +66,6 @@ def make_model(kind: str, c: dict, keep_dropout_modules: bool = False) -> nn.Mod
     else:
         cfg = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common)
         model = transformers.BertForMaskedLM(cfg)
-    if not keep_dropout_modules:
-        strip_zero_dropout(model)
     return model
 
 
@@ -135,7 +115,7 @@ def run_model(kind: str, args, device: str, dtype: torch.dtype, log=print) -> tu
     """(the comparison, the config) for one model."""
     c = model_config(kind, args)
     batches = make_batches(kind, c, args.batches, device)
-    result = _common.compare(lambda: make_model(kind, c, args.keep_dropout_modules), batches, lm_loss,
+    result = _common.compare(lambda: make_model(kind, c), batches, lm_loss,
                              steps=args.steps, lr=args.lr, device=device, dtype=dtype, seed=args.seed,
                              timed=_common.timed_steps(args), backends=args.backends.split(","), log=log)
     return result, c
@@ -150,8 +130,6 @@ def parse_args(argv=None):
                        help=f"default: llama {CUDA_DEFAULTS['llama'][key]}, bert {CUDA_DEFAULTS['bert'][key]} on "
                             f"CUDA; {CPU_DEFAULTS['llama'][key]} on the CPU")
     p.add_argument("--batches", type=int, default=4, help="distinct batches, cycled")
-    p.add_argument("--keep-dropout-modules", action="store_true",
-                   help="keep the zero-probability nn.Dropout modules (they block BERT's post-norm matching)")
     _common.add_common_args(p, steps_cpu=12, steps_cuda=200)
     args = p.parse_args(argv)
     args.lr = args.lr or 3e-4

@@ -34,6 +34,18 @@ NORM = torch.ops.fusenorm.norm.default
 NORM_BWD = torch.ops.fusenorm.norm_backward.default
 MM_NORM = torch.ops.fusenorm.mm_norm.default
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default)
+# Value-preserving nodes the walk from the norm to the GEMM looks through besides views: a clone is what an
+# inactive dropout (p = 0, or eval mode) becomes (HF BERT's dropout between its output linear and the residual).
+IDENTITIES = VIEWS + (aten.clone.default,)
+
+
+def _through_identities(n: Node, chain: Optional[list] = None) -> Node:
+    """The node under any views and clones of ``n``; the ones passed are appended to ``chain``."""
+    while is_op(n, *IDENTITIES):
+        n = n.args[0]
+        if chain is not None:
+            chain.append(n)
+    return n
 CONVERT = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -92,10 +104,7 @@ class LinearNormFwd(Pattern):
         if is_op(cur, aten.add.Tensor):
             cur, residual = self.split_residual(cur)
             chain.append(cur)
-        if is_op(cur, *VIEWS):
-            cur = cur.args[0]
-            chain.append(cur)
-        gemm = cur
+        gemm = _through_identities(cur, chain)
         require(is_op(gemm, aten.mm.default, aten.addmm.default),
                 f"norm input is not a linear's output (comes from {describe(gemm)})")
         chain = chain[:-1] if chain[-1] is gemm else chain
@@ -125,14 +134,16 @@ class LinearNormFwd(Pattern):
         require(fx_utils.is_static(val(x), val(norm)[0]), "dynamic shapes: left to Inductor")
 
     def split_residual(self, add: Node) -> tuple[Node, Node]:
-        """``add(linear, r)`` or ``add(r, linear)``: which side is the GEMM (through a view), which the residual."""
+        """``add(linear, r)`` or ``add(r, linear)``: which side is the GEMM (through views and clones), which the
+        residual."""
         require(len(add.args) == 2 and not add.kwargs, "add with alpha is not a residual add")
         for side, other in ((0, 1), (1, 0)):
             s = add.args[side]
-            inner = s.args[0] if is_op(s, *VIEWS) else s
-            if is_op(inner, aten.mm.default, aten.addmm.default) and isinstance(add.args[other], Node):
+            if is_op(_through_identities(s), aten.mm.default, aten.addmm.default) and isinstance(add.args[other], Node):
                 return s, add.args[other]
-        raise Reject("norm input is an add with no linear output on either side")
+        sides = ", ".join(describe(_through_identities(a)) if isinstance(a, Node) else repr(a) for a in add.args)
+        raise Reject(f"norm input is an add with no linear output on either side (its inputs come from {sides}; "
+                     "an active dropout or another op between the linear and the add stops the match)")
 
     def check_only_feeds_norm(self, norm: Node, gemm: Node, chain: list[Node], backward: list[Node]) -> None:
         """The linear's output and every node up to the norm have no other user (the fused kernel never

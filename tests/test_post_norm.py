@@ -147,6 +147,38 @@ def test_near_miss_not_fused(model, pattern, reason, device):
     assert any(reason in r for r in skips(pattern)), skips(pattern)
 
 
+class DropoutResidual(nn.Module):
+    """BERT's output block: linear -> dropout -> + residual -> LayerNorm -> (next linear)."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.lin, self.drop, self.norm, self.out = nn.Linear(16, 24), nn.Dropout(p), nn.LayerNorm(24), nn.Linear(24, 8)
+
+    def forward(self, x, r):
+        return self.out(self.norm(self.drop(self.lin(x)) + r))
+
+
+@pytest.mark.parametrize("p,train", [(0.0, True), (0.3, False)], ids=["p0-train", "p0.3-eval"])
+def test_inactive_dropout_between_linear_and_residual(p, train, device):
+    """An inactive dropout (p = 0, or eval mode) traces to a clone between the linear and the residual add:
+    the match looks through it."""
+    make = lambda: DropoutResidual(p).train(train)  # noqa: E731
+    assert_matches_eager(make, (torch.randn(3, 7, 16), torch.randn(3, 7, 24)), torch.float32, device)
+    assert fusenorm_counts() == FUSED_BOTH
+
+
+def test_active_dropout_reported(device):
+    """A training-mode dropout (a random mask) between the linear and the add stops the match, with a reason
+    that says so."""
+    torch.manual_seed(0)
+    m = DropoutResidual(0.5).to(device)
+    x, r = torch.randn(3, 7, 16, device=device), torch.randn(3, 7, 24, device=device)
+    torch.compile(m, backend="fusenorm", dynamic=False)(x, r).sum().backward()
+    assert "linear_norm_fwd" not in fusenorm_counts()
+    assert any("no linear output on either side" in s and "dropout" in s for s in skips("linear_norm_fwd")), \
+        skips("linear_norm_fwd")
+
+
 def test_dynamic_shapes_left_to_inductor(device):
     m = PostNormBlock(16, 24).to(device)
     compiled = torch.compile(m, backend="fusenorm", dynamic=True)
