@@ -1,5 +1,6 @@
-"""Small FX helpers the patterns share: node values, creating nodes with fake metadata, inlining a traced
-function, telling backward nodes from forward ones in a joint graph, and rendering graphs as code."""
+"""Small FX helpers the patterns share: node values, creating nodes with fake metadata (and refreshing it
+after a rewrite), inlining a traced function, telling backward nodes from forward ones in a joint graph, and
+rendering graphs as code."""
 
 from __future__ import annotations
 
@@ -59,6 +60,45 @@ def call(graph: fx.Graph, target: Callable, *args: Any, **kwargs: Any) -> Node:
         with fake_mode:
             node.meta[_meta_key(graph)] = target(*tree_map(val, args), **tree_map(val, kwargs))
     return node
+
+
+def snapshot(graph: fx.Graph) -> dict[Node, tuple]:
+    """What each node computes from what (its target, args and kwargs objects, which FX replaces on any
+    change): ``refresh_values`` finds from it the nodes a rewrite touched."""
+    return {n: (n.target, n.args, n.kwargs) for n in graph.nodes}
+
+
+def refresh_values(graph: fx.Graph, before: dict[Node, tuple]) -> int:
+    """Recompute the example values of the nodes a rewrite created or rewired, and of everything downstream.
+
+    A rewrite gives the users of a replaced node a new input, but their values were computed from the old
+    one; in particular a view of the old output does not share storage with the new one. AOTAutograd reads
+    aliasing from these values: a tensor saved for the backward that (per the values) no user output aliases
+    is donated to the backward, which may then overwrite it in place, and so overwrite the user's output that
+    really is a view of it (seen with a norm decomposed back to aten ops whose output is returned through a
+    reshape: the backward wrote over the returned tensor). Returns the number of nodes updated."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    mode = fake_mode_of(graph)
+    if mode is None:
+        return 0
+    key = _meta_key(graph)
+    dirty: set[Node] = set()
+    for n in graph.nodes:
+        old = before.get(n)
+        touched = old is None or old[0] is not n.target or old[1] is not n.args or old[2] is not n.kwargs
+        if n.op != "call_function" or not (touched or any(a in dirty for a in n.all_input_nodes)):
+            continue
+        if "unbacked_bindings" in n.meta:  # running it again would mint new unbacked symbols: keep its value
+            continue
+        try:
+            with mode, enable_python_dispatcher():
+                new = n.target(*tree_map(val, n.args), **tree_map(val, n.kwargs))
+        except Exception:  # an op that cannot run on the stored values (none known): keep its value
+            continue
+        n.meta[key] = new
+        dirty.add(n)
+    return len(dirty)
 
 
 def getitems(graph: fx.Graph, node: Node, count: int) -> list[Node]:

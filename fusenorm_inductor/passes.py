@@ -79,9 +79,10 @@ class FusenormPass(CustomGraphPass):
         from .patterns import run_stage
 
         rep = report.for_stage(self.stage)
-        before = _render_parts(graph, self.stage) if config.debug_dir else {}
+        dumps_before = _debug_aid(lambda: _render_parts(graph, self.stage), "graph dump") if config.debug_dir else None
         backup = _copy_graph(graph) if config.fallback_on_error else None
         recorded = (len(rep.rewrites), len(rep.skips))
+        nodes_before = fx_utils.snapshot(graph)
         try:
             run_stage(self.stage, graph, rep)
             graph.lint()
@@ -98,17 +99,45 @@ class FusenormPass(CustomGraphPass):
                 # Canonical norms must still become aten ops (or they run as slow reference kernels).
                 from .patterns import decompose_all
 
-                decompose_all(graph)
+                try:
+                    decompose_all(graph)
+                except Exception as e2:
+                    # The decomposition itself failed (a failure in it is also what sends us here): the
+                    # graph is restored once more and the canonical ops stay, running their reference
+                    # implementation (correct, unfused). Raising here would fail the user's compile.
+                    _restore_graph(graph, backup)
+                    msg = (f"decomposing the canonical norms failed too ({type(e2).__name__}: {e2}); they run "
+                           f"as fusenorm's reference ops")
+                    rep.errors.append(msg)
+                    warnings.warn(f"fusenorm: {msg}")
+        if self.stage == "joint":
+            # The partitioner and AOTAutograd's buffer donation read the nodes' example values, aliasing
+            # included: bring those downstream of the rewrites up to date (fx_utils.refresh_values says why).
+            # The pre-grad graph needs none: AOTAutograd traces it again.
+            fx_utils.refresh_values(graph, nodes_before)
         if config.debug_dir:
-            after = _render_parts(graph, self.stage)
-            rep.dumps.update({f"{part}.before.py": text for part, text in before.items()})
+            after = _debug_aid(lambda: _render_parts(graph, self.stage), "graph dump") or {}
+            rep.dumps.update({f"{part}.before.py": text for part, text in (dumps_before or {}).items()})
             rep.dumps.update({f"{part}.after.py": text for part, text in after.items()})
         log.info(rep.summary(self.stage))
-        rep.write()
+        _debug_aid(rep.write, "writing the match report")
 
     def uuid(self) -> Any:
         # Source of every pass, pattern and op, plus the config: any change compiles afresh.
         return (self.stage, get_hash_for_files(_source_files()).hex(), config.get_hash().hex())
+
+
+def _debug_aid(fn: Callable[[], Any], what: str) -> Any:
+    """Run a debugging aid (graph dumps, the report files). A failure there (``debug_dir`` unwritable or
+    not a directory, a graph the renderer cannot print) warns instead of failing the user's compile, as a
+    failed pass does (the rewrites stand: they were made); with ``fallback_on_error`` off it raises."""
+    try:
+        return fn()
+    except Exception as e:
+        if not config.fallback_on_error:
+            raise
+        warnings.warn(f"fusenorm: {what} failed ({type(e).__name__}: {e}); the compile goes on")
+        return None
 
 
 def _render_parts(graph: fx.Graph, stage: str) -> dict[str, str]:

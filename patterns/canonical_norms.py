@@ -32,6 +32,17 @@ def _eps_default(dtype: torch.dtype) -> float:
     return torch.finfo(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype).eps
 
 
+def _const_int(s: Any) -> Any:
+    """A ``normalized_shape`` element as an int where it is one: Dynamo passes a module's int attribute as a
+    graph input (a SymInt node) when a frame is recompiled with automatic dynamic shapes, e.g. the forward of
+    a second FSDP2-wrapped block of another width; the norm's shape check specializes it to a constant (and
+    Dynamo guards on that), so it is an int for this graph. Anything still symbolic is returned as is."""
+    v = val(s) if isinstance(s, Node) else s
+    if isinstance(v, torch.SymInt):
+        v = v.node.maybe_as_int()
+    return v if isinstance(v, int) else s
+
+
 def _bind(node: Node, names: tuple[str, ...], defaults: dict[str, Any]) -> dict[str, Any]:
     out = dict(defaults)
     out.update(zip(names, node.args))
@@ -71,6 +82,8 @@ class _NormCall(Pattern):
         require(fx_utils.is_static(xv), "dynamic shapes: left to Inductor")
         require(xv.dtype in _SUPPORTED_DTYPES, f"dtype {xv.dtype} not supported (fp32/fp16/bf16 only)")
         shape = tuple(shape) if isinstance(shape, (list, tuple)) else (shape,)
+        shape = tuple(_const_int(s) for s in shape)
+        require(all(isinstance(s, int) for s in shape), "dynamic shapes (symbolic normalized_shape): left to Inductor")
         require(len(shape) == 1, f"normalizes over {len(shape)} dims {shape}; only the last dim is supported")
         require(shape[0] == xv.shape[-1], f"normalized_shape {shape} is not the last dim of {tuple(xv.shape)}")
         for p in ("weight", "bias"):
