@@ -260,12 +260,11 @@ def _kernels(monkeypatch):
     return kern
 
 
-def _check_kernels(kern, q, k, v, off, max_len, ws, activation, c_fwd, c_bwd, config=None, design=None):
+def _check_kernels(kern, q, k, v, off, max_len, ws, activation, c_fwd, c_bwd, config=None):
     """Forward and backward launchers against the reference (forward) and the explicit backward reference,
     the latter computed from the reference's statistics; every output finite (nothing left unwritten)."""
     dtype = q.dtype
-    got = _call(kern.flash_norm_attention_triton, q, k, v, off, max_len, ws, activation, config=config,
-                design=design)
+    got = _call(kern.flash_norm_attention_triton, q, k, v, off, max_len, ws, activation, config=config)
     want = _call(flash_norm_attention_reference, q, k, v, off, max_len, ws, activation)
     # The LayerNorm statistics see only q (fp32 sums, 16 u32); out and rms_rstd see the roundings in q's dtype.
     for name, gg, ww, u_dtype, c in zip(("out", "ln_mean", "ln_rstd", "rms_rstd", "rms_in"), got, want,
@@ -274,7 +273,7 @@ def _check_kernels(kern, q, k, v, off, max_len, ws, activation, c_fwd, c_bwd, co
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(q.device, dtype)
     stats = tuple(w.float() for w in want[1:4])
     args = (dout, q, k, v, off, max_len, *ws, *stats, want[4], activation, SCALE)
-    got = kern.flash_norm_attention_backward_triton(*args, config=config, dkdv_config=config, design=design)
+    got = kern.flash_norm_attention_backward_triton(*args, config=config, dkdv_config=config)
     want = fna.flash_norm_attention_backward_reference(*args)
     for name, gg, ww in zip(("dq", "dk", "dv", "d_ln_weight", "d_ln_bias", "d_rms_weight"), got, want):
         if ww is None:
@@ -291,62 +290,53 @@ INTERP_LENGTHS = (0, 1, 37)
 INTERP_C = {F32: 16, F16: 2}
 
 
-DESIGNS = pytest.mark.parametrize("design", ["split", "fused"])
-
-
 @INTERPRETER
 @pytest.mark.parametrize("dtype", [F32, F16], ids=["fp32", "fp16"])
 @ACTS
 def test_triton_interpreter(monkeypatch, activation, dtype):
     kern = _kernels(monkeypatch)
     q, k, v, off, max_len, ws = _inputs(INTERP_LENGTHS, 24, 2, 16, dtype=dtype, seed=6)
-    for design in ("split", "fused"):
-        _check_kernels(kern, q, k, v, off, max_len, ws, activation, INTERP_C[dtype], INTERP_C[dtype], design=design)
+    _check_kernels(kern, q, k, v, off, max_len, ws, activation, INTERP_C[dtype], INTERP_C[dtype])
 
 
 @INTERPRETER
-@DESIGNS
 @pytest.mark.parametrize("dtype", [F32, F16], ids=["fp32", "fp16"])
-def test_triton_interpreter_plain_strided_tiles(monkeypatch, dtype, design):
+def test_triton_interpreter_plain_strided_tiles(monkeypatch, dtype):
     """No affine; q a strided view ([T, D, H] transposed), k/v non-contiguous; H = 1 and 3; weights in q's
     dtype; 32-token Q tiles and 16-wide S tiles (the dK/dV kernel walks 32-row Q steps)."""
     kern = _kernels(monkeypatch)
     q, k, v, off, max_len, ws = _inputs(INTERP_LENGTHS, 24, 3, 16, dtype=dtype, affine=False, seed=7)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)
     k = k.transpose(0, 1).contiguous().transpose(0, 1)
-    _check_kernels(kern, q, k, v, off, max_len, ws, "fast_gelu", INTERP_C[dtype], INTERP_C[dtype], design=design)
+    _check_kernels(kern, q, k, v, off, max_len, ws, "fast_gelu", INTERP_C[dtype], INTERP_C[dtype])
     cfg = kern.FnaConfig(32, 16, 4)
     q, k, v, off, max_len, ws = _inputs((2, 40, 0), 9, 1, 16, dtype=dtype, w_dtype=dtype, seed=8)
-    _check_kernels(kern, q, k, v, off, max_len, ws, "relu", INTERP_C[dtype], INTERP_C[dtype], config=cfg,
-                   design=design)
+    _check_kernels(kern, q, k, v, off, max_len, ws, "relu", INTERP_C[dtype], INTERP_C[dtype], config=cfg)
 
 
 @INTERPRETER
-@DESIGNS
-def test_triton_interpreter_edge_cases(monkeypatch, design):
+def test_triton_interpreter_edge_cases(monkeypatch):
     kern = _kernels(monkeypatch)
     for lengths in ((0, 0), (1,), (0, 17)):
         q, k, v, off, max_len, ws = _inputs(lengths, 5, 1, 8, seed=9)
-        _check_kernels(kern, q, k, v, off, max_len, ws, "gelu", 16, 16, design=design)
+        _check_kernels(kern, q, k, v, off, max_len, ws, "gelu", 16, 16)
     # A head dim that is not a power of two (D = 24 in 32-wide tiles: the column-masked path).
     q, k, v, off, max_len, ws = _inputs((3, 19), 7, 2, 24, seed=11)
-    _check_kernels(kern, q, k, v, off, max_len, ws, "silu", 16, 16, design=design)
+    _check_kernels(kern, q, k, v, off, max_len, ws, "silu", 16, 16)
 
 
 @ON_CUDA
-@DESIGNS
 @pytest.mark.parametrize("h", [1, 2, 4])
-def test_cuda_bf16(h, design, monkeypatch):
+def test_cuda_bf16(h):
     """B = 8, lengths up to 300 (one of them empty), S = 128, D = 128, bf16, through the ops (forward and
     autograd) against the reference and the backward reference on the GPU."""
     lengths = (300, 0, 1, 157, 64, 299, 12, 200)
     q, k, v, off, max_len, ws = _inputs(lengths, 128, h, 128, dtype=BF16, device="cuda", seed=10)
     from fusenorm_inductor.ops import flash_norm_attention_kernels as kern
 
-    monkeypatch.setattr(kern, "DESIGN", design)  # the ops below too
     # bf16 output; flips of bf16-rounded intermediates summed over S = 128 (forward) and up to 300 tokens
     # (dk, dv, weight gradients): 8 u16 forward, 16 u16 backward.
-    _check_kernels(kern, q, k, v, off, max_len, ws, "fast_gelu", 8, 16, design=design)
+    _check_kernels(kern, q, k, v, off, max_len, ws, "fast_gelu", 8, 16)
     leaves = _leaves(q, k, v, ws, BF16)
     out = _call(flash_norm_attention, *leaves[:3], off, max_len, leaves[3:], "silu")
     want = _call(flash_norm_attention_reference, q, k, v, off, max_len, ws, "silu")
@@ -388,11 +378,3 @@ def test_check_offsets_argument(monkeypatch):
     with pytest.raises(ValueError, match="activation"):  # metadata checks still run
         flash_norm_attention_op(*args[:-2], "softmax", SCALE, False)
 
-
-def test_unknown_kernel_design_raises():
-    pytest.importorskip("triton")
-    from fusenorm_inductor.ops import flash_norm_attention_kernels as kern
-
-    with pytest.raises(ValueError, match="unknown kernel design 'bogus'"):
-        kern._design("bogus")
-    assert kern._design(None) == kern.DESIGN

@@ -3,61 +3,46 @@ section 5). Semantics, roundings and the backward's recompute: flash_norm_attent
 
 The cross-head problem. Both norms span all H*D features of a token, while attention is per head. The seed
 puts the H heads of a Q tile in H CTAs of a cluster that trade row sums through DSMEM; Triton 3.6 on Hopper
-has no DSMEM (platform.md). Two designs are built, selected by ``DESIGN``, measured on the H200 (B = 768,
-S = 128, D = 128, bf16, Lmax = 1024; ms, forward / backward; the GDPA kernels alone 0.278 / 0.773 at H = 2,
-1.06 / 2.97 at H = 8):
+has no DSMEM (platform.md). Here the sums over all heads run in **per-token kernels** (one program per
+BLOCK_T tokens, looping over the heads), and the attention in **per-(Q tile, head) kernels** shaped like the
+GDPA kernels, which rebuild ln_q from q and the LayerNorm statistics on load:
 
-  "split" (default): the cross-head sums run in per-token kernels (BLOCK_T tokens x all heads: LayerNorm
-  statistics; RMS finish and out; the RMSNorm backward; the LayerNorm backward), the attention in per-(Q
-  tile, head) kernels shaped like the GDPA kernels, which rebuild ln_q from q and the statistics on load and
-  write o (forward) or d(ln_q) (backward). 0.574 / 1.497 at H = 2, 2.216 / 5.989 at H = 8, 0.789 / 2.218 at
-  H = 1, Lmax = 3000. HBM sees q three times in the forward (statistics, attention, finish) instead of once.
-  "fused": one program owns a Q tile of BLOCK_M tokens of one sequence across all heads and makes passes over
-  the heads (below). 0.565 / 2.348 at H = 2, 2.313 / 9.001 at H = 8, 0.709 / 2.757 at H = 1, Lmax = 3000.
-  The loop over heads around the S-tile loop costs registers: an sm_90 compile of the forward takes 238-255
-  registers per thread against 136 for the same body with one head (so 2 CTAs per SM instead of 3), and the
-  backward's 64-row tiles spill (0.5 KB) while 32-row tiles fall back from wgmma to mma.sync.
-The split design is the default: equal in the forward within 4% at H <= 4 (fused faster at H = 1, split at
-H = 8), 36-38% faster in the backward. Both are about 2x the GDPA kernels' time, the cost of the norms' passes
-over [T, H, D] that are not hidden under the matmuls: neither beats GDPA + Inductor's norms by the issue's
-margin (README, Performance).
+  forward   1. _stats_kernel      LayerNorm statistics of each token over its H*D features: fp32 sums shifted
+                                  by p = q[t, 0, 0] (one-pass variance without E[x^2] - E[x]^2's cancellation
+                                  when |mean| >> std) -> mean, rstd.
+            2. _attn_fwd_kernel   per (Q tile, head), the H programs of a tile adjacent (they read the same q
+                                  rows): ln_q_h (* g1 + b1) in registers, o_h = sum over S tiles of
+                                  (act(ln_q_h K^T) * scale) V + ln_q_h (the accumulator starts at ln_q), o
+                                  stored rounded to q's dtype (rms_in, saved for the backward), sum(o_h^2) per
+                                  token to ss [T, H] fp32.
+            3. _fwd_finish_kernel rms_rstd from ss, out = o * rms_rstd (* g2) + q.
+  backward  1. _rms_bwd_kernel    c2 = sum(dout * g2 * o) over the heads, d(o) = rms_rstd * (dout g2 - o *
+                                  rms_rstd^2 * c2 / (H D)) to a buffer in q's dtype (the MMA operand);
+                                  rms_weight's column sums.
+            2. _attn_bwd_kernel   per (Q tile, head): S = ln_q K^T, dP = d(o) V^T, dS = act'(S) * scale * dP,
+                                  d(ln_q) = dS K + d(o) (residual 1), rounded to q's dtype, into dq's buffer.
+            3. _dkdv_kernel       per (S tile, b, h), the programs of a sequence adjacent: owns its dK/dV
+                                  tiles and walks the sequence's Q tiles (S^T = K ln_q^T, dV += act(S^T) *
+                                  scale d(o), dP^T = V d(o)^T, dK += (act'(S^T) * scale * dP^T) ln_q). No
+                                  atomics: deterministic; a sequence without tokens gets zeros.
+            4. _ln_bwd_kernel     ca = sum(t1), cb = sum(t1 ln_hat) over the heads (t1 = d(ln_q) * g1), then
+                                  dq = rstd * (t1 - ca / (H D) - ln_hat * cb / (H D)) + dout (residual 2), in
+                                  place of d(ln_q); ln_weight's and ln_bias's column sums.
+  Weight gradients: per-program fp32 partials [programs, H*D], summed by torch.
+The matmuls are GDPA's (2 forward, 7 backward per head, S tile and Q tile); the norms cost passes over
+[T, H, D] around them: HBM sees q three times in the forward (statistics, attention, finish) where a
+one-kernel block would read it once.
 
-The fused design's forward, program (Q tile m, sequence b): what one pass produces for the next is either a
-[BLOCK_M] vector in registers (row sums) or a [BLOCK_M, D] tile per head written to global memory by this
-program and re-read by it after a CTA barrier (it stays in L2: one tile is BLOCK_M * H * D * 2 bytes, 64 KiB
-at BLOCK_M = 64, H*D = 512, ~8.5 MiB for 132 resident programs against a 60 MB L2).
-
-Fused forward, a 1-D grid of B * cdiv(max_seq_len_q, BLOCK_M) programs, the Q tiles of a sequence adjacent
-(they share its K/V in L2; 1-D: no 65535 limit on B):
-  pass 1, heads h: read q_h, LayerNorm row sums, shifted by p = q[t, 0, 0] (s1 = sum(q - p), s2 = sum(q - p)^2:
-          one-pass variance without E[x^2] - E[x]^2's cancellation when |mean| >> std) -> mean, rstd.
-  pass 2, heads h: ln_q_h = (q_h - mean) * rstd (* g1 + b1) in registers; o_h = sum over S tiles of
-          (act(ln_q_h K_tile^T) * scale) V_tile + ln_q_h (K/V tiles of (b, h) streamed, BLOCK_N wide; the
-          activation is elementwise, so unlike softmax no running max/rescale); sum(o_h^2) accumulates the RMS
-          row sums; o_h is written, rounded to q's dtype, to ``rms_in`` (saved for the backward).
-  barrier; pass 3, heads h: out_h = o_h * rms_rstd (* g2) + q_h.
-q is read three times, o written and read back once, out written once: the re-reads hit L2 (a program's
-tile is BLOCK_M * H * D * 2 bytes); the matmuls (2 per head and S tile) are done once. The alternative, the
-whole [BLOCK_M, H, D] o tile in registers (3-D batched tl.dot over heads), saves the re-read but needs
-H * D * BLOCK_M fp32 registers: at H*D = 512 only BLOCK_M = 16 fits, too thin for wgmma; not built.
-
-Fused backward, two kernels (the first version was one kernel that also recomputed o = P V + ln_q and added
-dK/dV with fp32 atomics: 5.5 ms at H = 2, Lmax = 1024 on the H200, 7x the GDPA backward):
-  Q-tile kernel, the forward's grid and ownership, 3 matmuls per head and S tile:
-  pass A, heads h: RMS row dot c2 = sum_h sum(dout_h * g2_h * o_h) (o = rms_in, saved).
-  pass B, heads h: d(o_h) = rms_rstd * (dout_h g2_h - o_h * rms_rstd^2 * c2 / (H D)), written to a buffer in q's
-          dtype (the MMA operand, for the second kernel); ln_q_h rebuilt; per S tile S = ln_q K^T,
-          dP = d(o) V^T, dS = act'(S) * scale * dP, d(ln_q_h) += dS K; d(ln_q_h) (+ d(o_h), residual 1) to an
-          fp32 scratch; LayerNorm row sums ca = sum(t1), cb = sum(t1 * ln_hat), t1 = d(ln_q) * g1.
-  barrier; pass C, heads h: dq_h = rstd * (t1 - ca / (H D) - ln_hat * cb / (H D)) + dout_h (residual 2).
-  Weight gradients: each program writes its Q tile's column sums (dout * o_hat, d(ln_q) * ln_hat, d(ln_q))
-  to fp32 partials [programs, H*D]; torch sums them over programs.
-  dK/dV kernel, one program per (S tile, b, h) (the programs of a sequence adjacent: they read the same q rows),
-  4 matmuls per Q tile: the program owns its dK/dV tiles and walks the sequence's Q tiles, rebuilding ln_q from
-  q and the statistics and reading d(o): S^T = K ln_q^T, dV += act(S^T) * scale d(o), dP^T = V d(o)^T,
-  dK += (act'(S^T) * scale * dP^T) ln_q. Deterministic (no atomics); a sequence without tokens gets zeros.
-The pair does the GDPA backward's 7 matmuls per head, S tile and Q tile, like the unfused graph. The split
-design's backward uses the same dK/dV kernel (d(o) from the RMSNorm-backward kernel).
+Measured (H200, B = 768, S = 128, D = 128, bf16, Lmax = 1024; ms forward / backward; GDPA kernels alone 0.278 /
+0.773 at H = 2, 1.06 / 2.97 at H = 8): this design 0.574 / 1.497 at H = 2, 2.216 / 5.989 at H = 8,
+0.789 / 2.218 at H = 1, Lmax = 3000. The first design, one program owning a Q tile of all heads and making
+passes over them (row sums in registers, o staged through L2 between passes; the backward the same with a
+per-(S tile, b, h) dK/dV kernel), measured 0.565 / 2.348, 2.313 / 9.001 and 0.709 / 2.757: equal within 4%
+in the forward at H <= 4 (10% faster at H = 1), 36-38% slower in the backward. Its loop over the heads around
+the S-tile loop took the forward to 238-255 registers per thread (136 for one head: sm_90 compile), 2 CTAs
+per SM instead of 3, and its backward's 64-row tiles spilled. It was removed after that measurement
+(docs/design.md, Attention, second round). Both are about 2x the GDPA kernels' time: neither beats GDPA +
+Inductor's norms by the issue's margin (README, Performance).
 
 MMA operands are q's dtype (ln_q, P, d(o), dS rounded to it, as the reference does), accumulation fp32; fp32
 inputs use ``dot_input_precision`` (exact unless TF32 is allowed for CUDA matmuls).
@@ -167,176 +152,7 @@ def _attend(acc, lnq_op, k_ptr, v_ptr, k_base, v_base, S, sk_s, sk_d, sv_s, sv_d
 
 
 @triton.jit
-def _q_tile(off_ptr, n_m, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
-    """This program's Q tile: tile pid % n_m of sequence b = pid // n_m (a 1-D grid, a sequence's tiles
-    adjacent). Returns b and row0 (int64), n_rows (int32, <= 0 past the sequence's end: nothing to do), and the
-    tile's local rows (int32), column indices and masks."""
-    pid = tl.program_id(0)
-    b = (pid // n_m).to(tl.int64)  # b * stride_b must not overflow int32
-    start = tl.load(off_ptr + b).to(tl.int64)
-    end = tl.load(off_ptr + b + 1).to(tl.int64)
-    row0 = start + (pid % n_m) * BLOCK_M
-    n_rows = (end - row0).to(tl.int32)
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < n_rows
-    dcols = tl.arange(0, BLOCK_D)
-    d_ok = dcols < D
-    return b, row0, n_rows, rows, row_ok, dcols, d_ok, _tile_mask(row_ok, d_ok, EVEN_D)
-
-
-@triton.jit
-def _fna_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, w2_ptr, out_ptr, o_ptr, mean_ptr, rstd_ptr, r2_ptr,
-    H, D: tl.constexpr, S, n_m,
-    sq_t, sq_h, sq_d, sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d,
-    ln_eps, rms_eps, scale,
-    ACT: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_W2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr,
-):
-    """Q tile pid % n_m of sequence pid // n_m, all heads (module docstring, forward passes 1-3).
-    out and o (the RMSNorm input, saved for the backward) are contiguous [T, H, D]; q, k, v any strides."""
-    b, row0, n_rows, rows, row_ok, dcols, d_ok, mask = _q_tile(off_ptr, n_m, D, BLOCK_M, BLOCK_D, EVEN_D)
-    if n_rows > 0:  # Q tiles past the sequence's end have nothing to do
-        # Pointers rebased at the tile's first row (int64 scalars), rows local to the tile (int32): [BLOCK_M,
-        # BLOCK_D] tiles of int64 offsets cost two registers per element and made the kernels spill.
-        q_ptr += row0 * sq_t
-        out_ptr += row0 * (H * D)
-        o_ptr += row0 * (H * D)
-        mean_ptr += row0
-        rstd_ptr += row0
-        r2_ptr += row0
-        n = H * D
-        # Pass 1: LayerNorm statistics over all heads.
-        mean, rstd = _ln_stats(q_ptr, rows, row_ok, dcols, mask, H, D, sq_t, sq_h, sq_d, ln_eps, BLOCK_M)
-        # Pass 2: per head, o_h = attention(ln_q_h) + ln_q_h, written to o; RMS row sums.
-        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for h in range(H):
-            x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
-            _, lnq = _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1, HAS_B1)
-            o = _attend(lnq, lnq.to(k_ptr.dtype.element_ty), k_ptr, v_ptr, b * sk_b + h * sk_h,
-                        b * sv_b + h * sv_h, S, sk_s, sk_d, sv_s, sv_d, dcols, d_ok, scale, ACT, BLOCK_N,
-                        INPUT_PRECISION, EVEN_D)
-            o = o.to(o_ptr.dtype.element_ty)  # rounded as stored: the RMS sees the o the backward gets
-            of = o.to(tl.float32)
-            ss += tl.sum(of * of, axis=1)
-            tl.store(_head_ptrs(o_ptr, rows, h, dcols, n, D, 1), o, mask=mask)
-        r2 = tl.rsqrt(ss / n + rms_eps)
-        tl.store(mean_ptr + rows, mean, mask=row_ok)
-        tl.store(rstd_ptr + rows, rstd, mask=row_ok)
-        tl.store(r2_ptr + rows, r2, mask=row_ok)
-        # o's tiles were written by other threads of this program: make them visible.
-        tl.debug_barrier()
-        # Pass 3: out = o * rms_rstd (* g2) + q.
-        for h in range(H):
-            o = tl.load(_head_ptrs(o_ptr, rows, h, dcols, n, D, 1), mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
-            y = o * r2[:, None]
-            if HAS_W2:
-                y = y * tl.load(w2_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(_head_ptrs(out_ptr, rows, h, dcols, n, D, 1), (y + x).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _fna_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, w2_ptr, dout_ptr, mean_ptr, rstd_ptr, r2_ptr, o_ptr,
-    do_buf, dl_buf, dq_ptr, pw1_ptr, pb1_ptr, pw2_ptr,
-    H, D: tl.constexpr, S, n_m,
-    sq_t, sq_h, sq_d, sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d, sg_t, sg_h, sg_d,
-    scale,
-    ACT: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_W2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr,
-):
-    """dq, d(o) and the norm weights' partial sums of Q tile pid % n_m of sequence pid // n_m (module
-    docstring, backward passes A-C). o (saved), do_buf (d(o), q's dtype), dl_buf (fp32 scratch), dq: contiguous
-    [T, H, D]; pw1/pb1/pw2: zeroed fp32 [B * n_m, H * D] per-program column sums."""
-    b, row0, n_rows, rows, row_ok, dcols, d_ok, mask = _q_tile(off_ptr, n_m, D, BLOCK_M, BLOCK_D, EVEN_D)
-    if n_rows > 0:
-        # Pointers rebased at the tile's first row, rows local to the tile (int32): see the forward kernel.
-        q_ptr += row0 * sq_t
-        dout_ptr += row0 * sg_t
-        o_ptr += row0 * (H * D)
-        do_buf += row0 * (H * D)
-        dl_buf += row0 * (H * D)
-        dq_ptr += row0 * (H * D)
-        mean_ptr += row0
-        rstd_ptr += row0
-        r2_ptr += row0
-        n = H * D
-        op_ty = k_ptr.dtype.element_ty
-        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
-        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-        r2 = tl.load(r2_ptr + rows, mask=row_ok, other=0.0)
-        part = tl.program_id(0).to(tl.int64) * n  # this program's row of the [B * n_m, H * D] partials
-        # Pass A: RMS row dot c2 = sum(dout * g2 * o) over all heads (o saved by the forward).
-        c2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for h in range(H):
-            o = tl.load(_head_ptrs(o_ptr, rows, h, dcols, n, D, 1), mask=mask, other=0.0).to(tl.float32)
-            g = tl.load(_head_ptrs(dout_ptr, rows, h, dcols, sg_t, sg_h, sg_d), mask=mask, other=0.0).to(tl.float32)
-            t2 = g
-            if HAS_W2:
-                t2 = g * tl.load(w2_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-                tl.store(pw2_ptr + part + h * D + dcols, tl.sum(g * o * r2[:, None], axis=0), mask=d_ok)
-            c2 += tl.sum(t2 * o, axis=1)
-        # d(o) = r2 * (t2 - o_hat * mean(t2 * o_hat)) = r2 * t2 - o * coef, o_hat = o * r2.
-        coef = r2 * r2 * r2 * c2 / n
-        # Pass B: per head, d(o) (to do_buf, for the dK/dV kernel), d(ln_q) = dS K + d(o) (to the fp32
-        # scratch), LayerNorm row sums.
-        ca = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        cb = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for h in range(H):
-            o = tl.load(_head_ptrs(o_ptr, rows, h, dcols, n, D, 1), mask=mask, other=0.0).to(tl.float32)
-            t2 = tl.load(_head_ptrs(dout_ptr, rows, h, dcols, sg_t, sg_h, sg_d), mask=mask, other=0.0).to(tl.float32)
-            if HAS_W2:
-                t2 = t2 * tl.load(w2_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-            do = r2[:, None] * t2 - o * coef[:, None]
-            do_op = do.to(op_ty)
-            tl.store(_head_ptrs(do_buf, rows, h, dcols, n, D, 1), do_op, mask=mask)
-            x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
-            _, lnq = _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1, HAS_B1)
-            lnq_op = lnq.to(op_ty)
-            k_base = b * sk_b + h * sk_h
-            v_base = b * sv_b + h * sv_h
-            dlnq = do_op.to(tl.float32)  # residual 1 (d(o) as rounded, like the split design's)
-            for n0 in range(0, S, BLOCK_N):
-                ns = n0 + tl.arange(0, BLOCK_N)
-                n_ok = ns < S
-                kt = _kv_tile(k_ptr, k_base, ns, dcols, n_ok, d_ok, sk_s, sk_d, EVEN_D)
-                vt = _kv_tile(v_ptr, v_base, ns, dcols, n_ok, d_ok, sv_s, sv_d, EVEN_D)
-                s = tl.dot(lnq_op, tl.trans(kt), input_precision=INPUT_PRECISION)
-                dp = tl.dot(do_op, tl.trans(vt), input_precision=INPUT_PRECISION)
-                ds_op = (act_bwd(s, ACT) * scale * dp).to(op_ty)
-                dlnq = tl.dot(ds_op, kt, dlnq, input_precision=INPUT_PRECISION)
-            dlnq = dlnq.to(op_ty).to(tl.float32)  # rounded to q's dtype, as the reference and the split design
-            tl.store(_head_ptrs(dl_buf, rows, h, dcols, n, D, 1), dlnq, mask=mask)
-            # ln_hat rebuilt from a second (cached) read of q rather than kept live across the S loop.
-            x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
-            lnhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-            t1 = dlnq
-            if HAS_W1:
-                t1 = dlnq * tl.load(w1_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-                tl.store(pw1_ptr + part + h * D + dcols, tl.sum(dlnq * lnhat, axis=0), mask=d_ok)
-            if HAS_B1:
-                tl.store(pb1_ptr + part + h * D + dcols, tl.sum(dlnq, axis=0), mask=d_ok)
-            ca += tl.sum(t1, axis=1)
-            cb += tl.sum(t1 * lnhat, axis=1)
-        tl.debug_barrier()
-        # Pass C: LayerNorm backward over all heads, + dout (residual 2).
-        for h in range(H):
-            dl = tl.load(_head_ptrs(dl_buf, rows, h, dcols, n, D, 1), mask=mask, other=0.0)
-            x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
-            g = tl.load(_head_ptrs(dout_ptr, rows, h, dcols, sg_t, sg_h, sg_d), mask=mask, other=0.0).to(tl.float32)
-            lnhat = (x - mean[:, None]) * rstd[:, None]
-            t1 = dl
-            if HAS_W1:
-                t1 = dl * tl.load(w1_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-            dq = rstd[:, None] * (t1 - (ca / n)[:, None] - lnhat * (cb / n)[:, None]) + g
-            tl.store(_head_ptrs(dq_ptr, rows, h, dcols, n, D, 1), dq.to(dq_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _fna_bwd_dkdv_kernel(
+def _dkdv_kernel(
     q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, mean_ptr, rstd_ptr, do_buf, dk_ptr, dv_ptr,
     H, D: tl.constexpr, S, n_s,
     sq_t, sq_h, sq_d, sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d,
@@ -394,9 +210,6 @@ def _fna_bwd_dkdv_kernel(
     tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
-# ---- The split design (module docstring): per-token kernels for the cross-head sums, per-head attention ----
-
-
 @triton.jit
 def _token_tile(T, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
     """Rows pid * BLOCK_T .. + BLOCK_T of the [T, H, D] tensors: (row0 int64, local rows, masks)."""
@@ -428,7 +241,7 @@ def _head_tile(off_ptr, n_m, H, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 
 
 @triton.jit
-def _split_stats_kernel(q_ptr, mean_ptr, rstd_ptr, T, H, D: tl.constexpr, sq_t, sq_h, sq_d, ln_eps,
+def _stats_kernel(q_ptr, mean_ptr, rstd_ptr, T, H, D: tl.constexpr, sq_t, sq_h, sq_d, ln_eps,
                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
     """Forward 1: the LayerNorm statistics of BLOCK_T tokens over all heads."""
     row0, rows, row_ok, dcols, d_ok, mask = _token_tile(T, D, BLOCK_T, BLOCK_D, EVEN_D)
@@ -439,7 +252,7 @@ def _split_stats_kernel(q_ptr, mean_ptr, rstd_ptr, T, H, D: tl.constexpr, sq_t, 
 
 
 @triton.jit
-def _split_attn_fwd_kernel(
+def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, mean_ptr, rstd_ptr, o_ptr, ss_ptr,
     H, D: tl.constexpr, S, n_m,
     sq_t, sq_h, sq_d, sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d,
@@ -468,7 +281,7 @@ def _split_attn_fwd_kernel(
 
 
 @triton.jit
-def _split_fwd_finish_kernel(q_ptr, w2_ptr, o_ptr, ss_ptr, out_ptr, r2_ptr, T, H, D: tl.constexpr,
+def _fwd_finish_kernel(q_ptr, w2_ptr, o_ptr, ss_ptr, out_ptr, r2_ptr, T, H, D: tl.constexpr,
                              sq_t, sq_h, sq_d, rms_eps, HAS_W2: tl.constexpr, BLOCK_T: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_D: tl.constexpr):
     """Forward 3, BLOCK_T tokens over all heads: rms_rstd from the per-head sums, out = o * rms_rstd (* g2) + q."""
@@ -492,7 +305,7 @@ def _split_fwd_finish_kernel(q_ptr, w2_ptr, o_ptr, ss_ptr, out_ptr, r2_ptr, T, H
 
 
 @triton.jit
-def _split_rms_bwd_kernel(dout_ptr, w2_ptr, o_ptr, r2_ptr, do_ptr, pw2_ptr, T, H, D: tl.constexpr,
+def _rms_bwd_kernel(dout_ptr, w2_ptr, o_ptr, r2_ptr, do_ptr, pw2_ptr, T, H, D: tl.constexpr,
                           sg_t, sg_h, sg_d, HAS_W2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                           EVEN_D: tl.constexpr):
     """Backward 1, BLOCK_T tokens over all heads: the RMSNorm backward, d(o) = rms_rstd * (dout g2 - o *
@@ -524,7 +337,7 @@ def _split_rms_bwd_kernel(dout_ptr, w2_ptr, o_ptr, r2_ptr, do_ptr, pw2_ptr, T, H
 
 
 @triton.jit
-def _split_attn_bwd_kernel(
+def _attn_bwd_kernel(
     q_ptr, k_ptr, v_ptr, off_ptr, w1_ptr, b1_ptr, mean_ptr, rstd_ptr, do_ptr, dl_ptr,
     H, D: tl.constexpr, S, n_m,
     sq_t, sq_h, sq_d, sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d,
@@ -567,7 +380,7 @@ def _split_attn_bwd_kernel(
 
 
 @triton.jit
-def _split_ln_bwd_kernel(q_ptr, dout_ptr, w1_ptr, mean_ptr, rstd_ptr, dl_ptr, dq_ptr, pw1_ptr, pb1_ptr,
+def _ln_bwd_kernel(q_ptr, dout_ptr, w1_ptr, mean_ptr, rstd_ptr, dl_ptr, dq_ptr, pw1_ptr, pb1_ptr,
                          T, H, D: tl.constexpr, sq_t, sq_h, sq_d, sg_t, sg_h, sg_d,
                          HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                          EVEN_D: tl.constexpr):
@@ -622,9 +435,8 @@ def fna_config(q: Tensor, k: Tensor, kernel: str = "fwd") -> FnaConfig:
     """The default tiles of ``kernel``'s attention kernels ("fwd"; "bwd": the backward's Q-tile kernel;
     "dkdv"). On CUDA, from sweeps on the H200 (bf16, D = 128, B = 768, S = 128, Lmax = 1024, H in {2, 8}):
     64-token Q tiles, 4 warps; S tiles of 32 and 3 stages in the forward, 64 and 2 stages in the backward.
-    8 warps and 128-token tiles were slower in every kernel of both designs (the 64-row wgmma tile is one
-    warpgroup's; split forward 64 x 32: 0.574 ms at H = 2, 64 x 64: 0.669, 128 x 32 x 8 warps: 0.746). The
-    fused design's backward was fastest at 32 x 64 (1.98 ms, no wgmma) but it is not the default design.
+    8 warps and 128-token tiles were slower in every kernel (the 64-row wgmma tile is one warpgroup's;
+    forward 64 x 32: 0.574 ms at H = 2, 64 x 64: 0.669, 128 x 32 x 8 warps: 0.746).
     D <= 64 was not measured: the same tiles with 64-wide S tiles. In the interpreter (CPU tensors) 16 x 16
     tiles, so small test sequences span several Q and S tiles."""
     s = k.shape[1]
@@ -652,19 +464,6 @@ def _common(q: Tensor, k: Tensor, v: Tensor, config: FnaConfig, activation: str)
     )
 
 
-DESIGN = "split"
-"""Which kernels run: "split" (per-token kernels for the cross-head sums around per-(Q tile, head) attention
-kernels) or "fused" (one program per Q tile across all heads). Module docstring: the measurements."""
-_DESIGNS = ("split", "fused")
-
-
-def _design(design: Optional[str]) -> str:
-    design = design or DESIGN
-    if design not in _DESIGNS:
-        raise ValueError(f"flash_norm_attention: unknown kernel design {design!r}; expected one of {_DESIGNS}")
-    return design
-
-
 def _token_args(q: Tensor):
     """Tile arguments of the per-token kernels: BLOCK_T tokens (64 on CUDA, 16 in the interpreter)."""
     d = q.shape[2]
@@ -676,14 +475,11 @@ def flash_norm_attention_triton(
     q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
     ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], rms_weight: Optional[Tensor],
     ln_eps: float, rms_eps: float, activation: str, scale: float, config: Optional[FnaConfig] = None,
-    design: Optional[str] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, ln_mean, ln_rstd, rms_rstd, rms_in) of ``flash_norm_attention_reference``; inputs already
-    checked. ``config`` (the attention kernel's tiles) and ``design``: test hooks; None takes ``fna_config``
-    and ``DESIGN``."""
+    checked. ``config``: a test hook (the attention kernel's tiles); None takes ``fna_config``."""
     t, h, d = q.shape
     dev, f32 = q.device, torch.float32
-    design = _design(design)
     config = config or fna_config(q, k)
     out = _alloc((t, h, d), q.dtype, dev)
     rms_in = _alloc((t, h, d), q.dtype, dev)
@@ -691,25 +487,16 @@ def flash_norm_attention_triton(
     if t == 0 or max_seq_len_q == 0:
         return out, mean, rstd, r2, rms_in
     n_m = triton.cdiv(max_seq_len_q, config.block_m)
-    flags = dict(HAS_W1=ln_weight is not None, HAS_B1=ln_bias is not None)
-    if design == "split":
-        tok = _token_args(q)
-        n_t = triton.cdiv(t, tok["BLOCK_T"])
-        _split_stats_kernel[(n_t,)](q, mean, rstd, t, h, d, *q.stride(), float(ln_eps), **tok)
-        ss = _alloc((t, h), f32, dev)
-        _split_attn_fwd_kernel[(k.shape[0] * n_m * h,)](
-            q, k, v, q_offsets, ln_weight, ln_bias, mean, rstd, rms_in, ss, n_m=n_m, scale=float(scale),
-            **flags, **_common(q, k, v, config, activation),
-        )
-        _split_fwd_finish_kernel[(n_t,)](q, rms_weight, rms_in, ss, out, r2, t, h, d, *q.stride(), float(rms_eps),
-                                         HAS_W2=rms_weight is not None, BLOCK_H=pow2_at_least(h, 1), **tok)
-        return out, mean, rstd, r2, rms_in
-    _fna_fwd_kernel[(k.shape[0] * n_m,)](
-        q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, out, rms_in, mean, rstd, r2, n_m=n_m,
-        ln_eps=float(ln_eps), rms_eps=float(rms_eps), scale=float(scale),
-        HAS_W1=ln_weight is not None, HAS_B1=ln_bias is not None, HAS_W2=rms_weight is not None,
-        **_common(q, k, v, config, activation),
+    tok = _token_args(q)
+    n_t = triton.cdiv(t, tok["BLOCK_T"])
+    _stats_kernel[(n_t,)](q, mean, rstd, t, h, d, *q.stride(), float(ln_eps), **tok)
+    ss = _alloc((t, h), f32, dev)
+    _attn_fwd_kernel[(k.shape[0] * n_m * h,)](
+        q, k, v, q_offsets, ln_weight, ln_bias, mean, rstd, rms_in, ss, n_m=n_m, scale=float(scale),
+        HAS_W1=ln_weight is not None, HAS_B1=ln_bias is not None, **_common(q, k, v, config, activation),
     )
+    _fwd_finish_kernel[(n_t,)](q, rms_weight, rms_in, ss, out, r2, t, h, d, *q.stride(), float(rms_eps),
+                               HAS_W2=rms_weight is not None, BLOCK_H=pow2_at_least(h, 1), **tok)
     return out, mean, rstd, r2, rms_in
 
 
@@ -717,15 +504,13 @@ def flash_norm_attention_backward_triton(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
     ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], rms_weight: Optional[Tensor],
     ln_mean: Tensor, ln_rstd: Tensor, rms_rstd: Tensor, rms_in: Tensor, activation: str, scale: float,
-    config: Optional[FnaConfig] = None, dkdv_config: Optional[FnaConfig] = None, design: Optional[str] = None,
+    config: Optional[FnaConfig] = None, dkdv_config: Optional[FnaConfig] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """(dq, dk, dv, d_ln_weight, d_ln_bias, d_rms_weight) of ``flash_norm_attention_backward_reference``.
-    ``config`` / ``dkdv_config`` (tiles of the attention kernels) and ``design``: test hooks; None takes
-    ``fna_config`` and ``DESIGN``."""
+    ``config`` / ``dkdv_config``: test hooks (tiles of the attention kernels); None takes ``fna_config``."""
     t, h, d = q.shape
     bsz, s = k.shape[0], k.shape[1]
     dev, f32 = q.device, torch.float32
-    design = _design(design)
     config = config or fna_config(q, k, "bwd")
     dkdv_config = dkdv_config or fna_config(q, k, "dkdv")
     n_m = triton.cdiv(max_seq_len_q, config.block_m) if t > 0 else 0
@@ -736,39 +521,28 @@ def flash_norm_attention_backward_triton(
     dk = _alloc((bsz, s, h, d), k.dtype, dev)
     dv = _alloc((bsz, s, h, d), v.dtype, dev)
     # Per-program column sums of the weight gradients: summed over programs, so they start at zero.
-    n_parts = n_t if design == "split" else bsz * n_m
-    parts = [torch.zeros((n_parts, h * d), dtype=f32, device=dev) if w is not None else None
+    parts = [torch.zeros((n_t, h * d), dtype=f32, device=dev) if w is not None else None
              for w in (ln_weight, ln_bias, rms_weight)]
     rms_in = rms_in.contiguous()
     flags = dict(HAS_W1=ln_weight is not None, HAS_B1=ln_bias is not None)
-    if design == "split" and n_m > 0:
+    if n_m > 0:
         # d(ln_q) goes into dq's buffer: the LayerNorm backward reads each element of it before it writes the
         # same element's dq (same program, same tile layout), so the backward needs one [T, H, D] buffer less
         # (measured: its peak was one such tensor above the unfused graph's).
         dl = dq
-        _split_rms_bwd_kernel[(n_t,)](dout, rms_weight, rms_in, rms_rstd, do_buf, parts[2], t, h, d, *dout.stride(),
-                                      HAS_W2=rms_weight is not None, **tok)
-        _split_attn_bwd_kernel[(bsz * n_m * h,)](
+        _rms_bwd_kernel[(n_t,)](dout, rms_weight, rms_in, rms_rstd, do_buf, parts[2], t, h, d, *dout.stride(),
+                                HAS_W2=rms_weight is not None, **tok)
+        _attn_bwd_kernel[(bsz * n_m * h,)](
             q, k, v, q_offsets, ln_weight, ln_bias, ln_mean, ln_rstd, do_buf, dl, n_m=n_m, scale=float(scale),
             **flags, **_common(q, k, v, config, activation),
         )
-        _split_ln_bwd_kernel[(n_t,)](q, dout, ln_weight, ln_mean, ln_rstd, dl, dq, parts[0], parts[1], t, h, d,
-                                     *q.stride(), *dout.stride(), **flags, **tok)
-    elif n_m > 0:
-        dl_buf = _alloc((t, h, d), f32, dev)
-        _fna_bwd_kernel[(bsz * n_m,)](
-            q, k, v, q_offsets, ln_weight, ln_bias, rms_weight, dout, ln_mean, ln_rstd, rms_rstd, rms_in,
-            do_buf, dl_buf, dq, *parts,
-            n_m=n_m, sg_t=dout.stride(0), sg_h=dout.stride(1), sg_d=dout.stride(2), scale=float(scale),
-            HAS_W1=ln_weight is not None, HAS_B1=ln_bias is not None, HAS_W2=rms_weight is not None,
-            **_common(q, k, v, config, activation),
-        )
+        _ln_bwd_kernel[(n_t,)](q, dout, ln_weight, ln_mean, ln_rstd, dl, dq, parts[0], parts[1], t, h, d,
+                               *q.stride(), *dout.stride(), **flags, **tok)
     n_s = triton.cdiv(s, dkdv_config.block_n)
     if bsz * h * n_s > 0:  # every dK/dV element is written (zeros for a sequence without tokens)
-        _fna_bwd_dkdv_kernel[(n_s * bsz * h,)](
+        _dkdv_kernel[(n_s * bsz * h,)](
             q, k, v, q_offsets, ln_weight, ln_bias, ln_mean, ln_rstd, do_buf, dk, dv, n_s=n_s,
-            scale=float(scale), HAS_W1=ln_weight is not None, HAS_B1=ln_bias is not None,
-            **_common(q, k, v, dkdv_config, activation),
+            scale=float(scale), **flags, **_common(q, k, v, dkdv_config, activation),
         )
     dws = tuple(p.sum(0).to(w.dtype) if w is not None else None
                 for p, w in zip(parts, (ln_weight, ln_bias, rms_weight)))
