@@ -109,21 +109,47 @@ def _ln_stats(q_ptr, rows, row_ok, dcols, mask, H, D, sq_t, sq_h, sq_d, eps, BLO
 
 
 @triton.jit
+def _head_vec(w_ptr, h, D, dcols, d_ok):
+    """Head h's slice of an [H*D] weight as an fp32 [1, BLOCK_D] row (0 in padded columns)."""
+    return tl.load(w_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
 def _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr):
     """(ln_hat, ln_q) of one head's [BLOCK_M, BLOCK_D] fp32 tile, 0 outside the valid rows/columns."""
     lnhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
     lnq = lnhat
     if HAS_W1:
-        lnq = lnq * tl.load(w1_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        lnq = lnq * _head_vec(w1_ptr, h, D, dcols, d_ok)
     if HAS_B1:
-        lnq = lnq + tl.where(mask, tl.load(b1_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :], 0.0)
+        lnq = lnq + tl.where(mask, _head_vec(b1_ptr, h, D, dcols, d_ok), 0.0)
     return lnhat, lnq
 
 
 @triton.jit
-def _kv_tile(ptr, base, ns, dcols, n_ok, d_ok, stride_s, stride_d, EVEN_D: tl.constexpr):
-    return tl.load(ptr + base + ns[:, None] * stride_s + dcols[None, :] * stride_d,
-                   mask=_tile_mask(n_ok, d_ok, EVEN_D), other=0.0)
+def _lnq_tile(q_ptr, mean_ptr, rstd_ptr, w1_ptr, b1_ptr, rows, row_ok, h, D, dcols, d_ok, mask, sq_t, sq_h, sq_d,
+              HAS_W1: tl.constexpr, HAS_B1: tl.constexpr):
+    """ln_q (fp32) of head h of ``rows``, rebuilt from q and the saved statistics (mean_ptr / rstd_ptr point
+    at the statistics of the token q_ptr points at)."""
+    x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
+    mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+    return _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1, HAS_B1)[1]
+
+
+@triton.jit
+def _kv_offsets(dcols, sk_s, sk_d, sv_s, sv_d, BLOCK_N: tl.constexpr):
+    """(local rows, int32 K and V offsets) of a [BLOCK_N, BLOCK_D] K/V tile; loop-invariant, the scalar base
+    pointers advance per tile, as in the GDPA kernels."""
+    ns = tl.arange(0, BLOCK_N)
+    return ns, ns[:, None] * sk_s + dcols[None, :] * sk_d, ns[:, None] * sv_s + dcols[None, :] * sv_d
+
+
+@triton.jit
+def _kv_pair(k_ptr, v_ptr, k_offs, v_offs, n_ok, d_ok, EVEN_D: tl.constexpr):
+    """The K and V tiles at the given bases; rows past S (not n_ok) load as 0."""
+    mask = _tile_mask(n_ok, d_ok, EVEN_D)
+    return tl.load(k_ptr + k_offs, mask=mask, other=0.0), tl.load(v_ptr + v_offs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -133,16 +159,11 @@ def _attend(acc, lnq_op, k_ptr, v_ptr, k_base, v_base, S, sk_s, sk_d, sv_s, sv_d
     to V's dtype for the MMA. Padded KV rows give S = 0 and act(0) = 0 (every activation), and V rows of 0.
     The caller passes acc = ln_q (residual 1): the fp32 ln_q tile is then not live across the loop (it was, as
     a separate addend, and took the forward to 255 registers and a 208-byte stack spill per thread)."""
-    # Scalar bases advanced per tile and loop-invariant int32 offsets, as in the GDPA kernels.
     k_ptr += k_base
     v_ptr += v_base
-    ns = tl.arange(0, BLOCK_N)
-    k_offs = ns[:, None] * sk_s + dcols[None, :] * sk_d
-    v_offs = ns[:, None] * sv_s + dcols[None, :] * sv_d
+    ns, k_offs, v_offs = _kv_offsets(dcols, sk_s, sk_d, sv_s, sv_d, BLOCK_N)
     for n0 in range(0, S, BLOCK_N):
-        n_ok = ns < S - n0
-        kt = tl.load(k_ptr + k_offs, mask=_tile_mask(n_ok, d_ok, EVEN_D), other=0.0)
-        vt = tl.load(v_ptr + v_offs, mask=_tile_mask(n_ok, d_ok, EVEN_D), other=0.0)
+        kt, vt = _kv_pair(k_ptr, v_ptr, k_offs, v_offs, ns < S - n0, d_ok, EVEN_D)
         s = tl.dot(lnq_op, tl.trans(kt), input_precision=INPUT_PRECISION)
         p = act_fwd(s, ACT) * scale
         acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=INPUT_PRECISION)
@@ -171,13 +192,14 @@ def _dkdv_kernel(
     start = tl.load(off_ptr + b).to(tl.int64)
     n_rows = (tl.load(off_ptr + b + 1).to(tl.int64) - start).to(tl.int32)
     n = H * D
-    ns = (pid % n_s) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = ns < S
+    s0 = (pid % n_s) * BLOCK_N
     dcols = tl.arange(0, BLOCK_D)
     d_ok = dcols < D
+    ns, k_offs, v_offs = _kv_offsets(dcols, sk_s, sk_d, sv_s, sv_d, BLOCK_N)
+    n_ok = ns < S - s0
     kv_mask = _tile_mask(n_ok, d_ok, EVEN_D)
-    kt = _kv_tile(k_ptr, b * sk_b + h * sk_h, ns, dcols, n_ok, d_ok, sk_s, sk_d, EVEN_D)
-    vt = _kv_tile(v_ptr, b * sv_b + h * sv_h, ns, dcols, n_ok, d_ok, sv_s, sv_d, EVEN_D)
+    kt, vt = _kv_pair(k_ptr + b * sk_b + h * sk_h + s0 * sk_s, v_ptr + b * sv_b + h * sv_h + s0 * sv_s, k_offs, v_offs,
+                      n_ok, d_ok, EVEN_D)
     op_ty = k_ptr.dtype.element_ty
     # Rebased at the sequence's first token (int64 scalars), rows local to the sequence (int32).
     q_ptr += start * sq_t
@@ -190,11 +212,8 @@ def _dkdv_kernel(
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
         mask = _tile_mask(row_ok, d_ok, EVEN_D)
-        x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
-        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-        _, lnq = _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1, HAS_B1)
-        lnq_op = lnq.to(op_ty)
+        lnq_op = _lnq_tile(q_ptr, mean_ptr, rstd_ptr, w1_ptr, b1_ptr, rows, row_ok, h, D, dcols, d_ok, mask,
+                           sq_t, sq_h, sq_d, HAS_W1, HAS_B1).to(op_ty)
         do_op = tl.load(_head_ptrs(do_buf, rows, h, dcols, n, D, 1), mask=mask, other=0.0)
         # Transposed tiles (S^T = K ln_q^T, [BLOCK_N, BLOCK_M]): the products land in dK/dV's layout.
         s_t = tl.dot(kt, tl.trans(lnq_op), input_precision=INPUT_PRECISION)
@@ -203,8 +222,8 @@ def _dkdv_kernel(
         dp_t = tl.dot(vt, tl.trans(do_op), input_precision=INPUT_PRECISION)
         ds_op = (act_bwd(s_t, ACT) * scale * dp_t).to(op_ty)
         dk = tl.dot(ds_op, lnq_op, dk, input_precision=INPUT_PRECISION)
-    dk_ptr += b * S * n + h * D  # int64 scalar base, int32 offsets in the tile
-    dv_ptr += b * S * n + h * D
+    dk_ptr += (b * S + s0) * n + h * D  # int64 scalar base, int32 offsets in the tile
+    dv_ptr += (b * S + s0) * n + h * D
     kv_offs = ns[:, None] * n + dcols[None, :]
     tl.store(dk_ptr + kv_offs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
@@ -268,10 +287,8 @@ def _attn_fwd_kernel(
         q_ptr += row0 * sq_t
         o_ptr += row0 * (H * D)
         ss_ptr += row0 * H
-        x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + row0 + rows, mask=row_ok, other=0.0)
-        rstd = tl.load(rstd_ptr + row0 + rows, mask=row_ok, other=0.0)
-        _, lnq = _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1, HAS_B1)
+        lnq = _lnq_tile(q_ptr, mean_ptr + row0, rstd_ptr + row0, w1_ptr, b1_ptr, rows, row_ok, h, D, dcols, d_ok,
+                        mask, sq_t, sq_h, sq_d, HAS_W1, HAS_B1)
         o = _attend(lnq, lnq.to(k_ptr.dtype.element_ty), k_ptr, v_ptr, b * sk_b + h * sk_h, b * sv_b + h * sv_h,
                     S, sk_s, sk_d, sv_s, sv_d, dcols, d_ok, scale, ACT, BLOCK_N, INPUT_PRECISION, EVEN_D)
         o = o.to(o_ptr.dtype.element_ty)  # rounded as stored: the RMS sees the o the backward gets
@@ -300,7 +317,7 @@ def _fwd_finish_kernel(q_ptr, w2_ptr, o_ptr, ss_ptr, out_ptr, r2_ptr, T, H, D: t
         x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
         y = o * r2[:, None]
         if HAS_W2:
-            y = y * tl.load(w2_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            y = y * _head_vec(w2_ptr, h, D, dcols, d_ok)
         tl.store(_head_ptrs(out_ptr, rows, h, dcols, n, D, 1), (y + x).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -323,7 +340,7 @@ def _rms_bwd_kernel(dout_ptr, w2_ptr, o_ptr, r2_ptr, do_ptr, pw2_ptr, T, H, D: t
         g = tl.load(_head_ptrs(dout_ptr, rows, h, dcols, sg_t, sg_h, sg_d), mask=mask, other=0.0).to(tl.float32)
         t2 = g
         if HAS_W2:
-            t2 = g * tl.load(w2_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            t2 = g * _head_vec(w2_ptr, h, D, dcols, d_ok)
             tl.store(pw2_ptr + part + h * D + dcols, tl.sum(g * o * r2[:, None], axis=0), mask=d_ok)
         c2 += tl.sum(t2 * o, axis=1)
     coef = r2 * r2 * r2 * c2 / n
@@ -331,7 +348,7 @@ def _rms_bwd_kernel(dout_ptr, w2_ptr, o_ptr, r2_ptr, do_ptr, pw2_ptr, T, H, D: t
         o = tl.load(_head_ptrs(o_ptr, rows, h, dcols, n, D, 1), mask=mask, other=0.0).to(tl.float32)
         t2 = tl.load(_head_ptrs(dout_ptr, rows, h, dcols, sg_t, sg_h, sg_d), mask=mask, other=0.0).to(tl.float32)
         if HAS_W2:
-            t2 = t2 * tl.load(w2_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            t2 = t2 * _head_vec(w2_ptr, h, D, dcols, d_ok)
         do = r2[:, None] * t2 - o * coef[:, None]
         tl.store(_head_ptrs(do_ptr, rows, h, dcols, n, D, 1), do.to(do_ptr.dtype.element_ty), mask=mask)
 
@@ -354,22 +371,15 @@ def _attn_bwd_kernel(
         q_ptr += row0 * sq_t
         do_ptr += row0 * (H * D)
         dl_ptr += row0 * (H * D)
-        x = tl.load(_head_ptrs(q_ptr, rows, h, dcols, sq_t, sq_h, sq_d), mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + row0 + rows, mask=row_ok, other=0.0)
-        rstd = tl.load(rstd_ptr + row0 + rows, mask=row_ok, other=0.0)
-        _, lnq = _ln_apply(x, mean, rstd, w1_ptr, b1_ptr, h, D, dcols, d_ok, mask, HAS_W1, HAS_B1)
-        lnq_op = lnq.to(op_ty)
+        lnq_op = _lnq_tile(q_ptr, mean_ptr + row0, rstd_ptr + row0, w1_ptr, b1_ptr, rows, row_ok, h, D, dcols, d_ok,
+                           mask, sq_t, sq_h, sq_d, HAS_W1, HAS_B1).to(op_ty)
         do_op = tl.load(_head_ptrs(do_ptr, rows, h, dcols, H * D, D, 1), mask=mask, other=0.0)
         dlnq = do_op.to(tl.float32)  # residual 1
         k_ptr += b * sk_b + h * sk_h
         v_ptr += b * sv_b + h * sv_h
-        ns = tl.arange(0, BLOCK_N)
-        k_offs = ns[:, None] * sk_s + dcols[None, :] * sk_d
-        v_offs = ns[:, None] * sv_s + dcols[None, :] * sv_d
+        ns, k_offs, v_offs = _kv_offsets(dcols, sk_s, sk_d, sv_s, sv_d, BLOCK_N)
         for n0 in range(0, S, BLOCK_N):
-            n_ok = ns < S - n0
-            kt = tl.load(k_ptr + k_offs, mask=_tile_mask(n_ok, d_ok, EVEN_D), other=0.0)
-            vt = tl.load(v_ptr + v_offs, mask=_tile_mask(n_ok, d_ok, EVEN_D), other=0.0)
+            kt, vt = _kv_pair(k_ptr, v_ptr, k_offs, v_offs, ns < S - n0, d_ok, EVEN_D)
             s = tl.dot(lnq_op, tl.trans(kt), input_precision=INPUT_PRECISION)
             dp = tl.dot(do_op, tl.trans(vt), input_precision=INPUT_PRECISION)
             ds_op = (act_bwd(s, ACT) * scale * dp).to(op_ty)
@@ -403,7 +413,7 @@ def _ln_bwd_kernel(q_ptr, dout_ptr, w1_ptr, mean_ptr, rstd_ptr, dl_ptr, dq_ptr, 
         lnhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         t1 = dl
         if HAS_W1:
-            t1 = dl * tl.load(w1_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            t1 = dl * _head_vec(w1_ptr, h, D, dcols, d_ok)
             tl.store(pw1_ptr + part + h * D + dcols, tl.sum(dl * lnhat, axis=0), mask=d_ok)
         if HAS_B1:
             tl.store(pb1_ptr + part + h * D + dcols, tl.sum(dl, axis=0), mask=d_ok)
@@ -416,7 +426,7 @@ def _ln_bwd_kernel(q_ptr, dout_ptr, w1_ptr, mean_ptr, rstd_ptr, dl_ptr, dq_ptr, 
         lnhat = (x - mean[:, None]) * rstd[:, None]
         t1 = dl
         if HAS_W1:
-            t1 = dl * tl.load(w1_ptr + h * D + dcols, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            t1 = dl * _head_vec(w1_ptr, h, D, dcols, d_ok)
         dq = rstd[:, None] * (t1 - (ca / n)[:, None] - lnhat * (cb / n)[:, None]) + g
         tl.store(_head_ptrs(dq_ptr, rows, h, dcols, n, D, 1), dq.to(dq_ptr.dtype.element_ty), mask=mask)
 
