@@ -336,14 +336,16 @@ def print_losses(result: dict, every: Optional[int] = None) -> None:
             print(f"{i:5d} " + " ".join(f"{ls[i]:14.6f}" for ls in losses))
     ref = result.get("noise_ref")
     if ref:
-        print(f"noise reference (eager vs {names[1]}): max |diff| {ref['max_abs_diff']:.3g}, final rel diff "
-              f"{ref['final_rel_diff']:.3g}, mean of last {ref['tail_steps']} steps: "
-              f"rel diff {ref['tail_rel_diff']:.3g}")
+        print(f"noise reference (eager vs {names[1]}): {_diffs(ref)}")
     agr = result.get("agreement")
     if agr:
-        print(f"loss agreement: max |diff| {agr['max_abs_diff']:.3g}, final rel diff {agr['final_rel_diff']:.3g}, "
-              f"mean of last {agr['tail_steps']} steps: rel diff {agr['tail_rel_diff']:.3g} (tol {agr['tol']:g}): "
-              f"{'agree' if agr['agree'] else 'DO NOT AGREE'}")
+        print(f"loss agreement: {_diffs(agr)} (tol {agr['tol']:g}): {'agree' if agr['agree'] else 'DO NOT AGREE'}")
+
+
+def _diffs(d: dict) -> str:
+    """One line of a loss comparison's differences (``agreement`` or ``noise_ref``)."""
+    return (f"max |diff| {d['max_abs_diff']:.3g}, final rel diff {d['final_rel_diff']:.3g}, "
+            f"mean of last {d['tail_steps']} steps: rel diff {d['tail_rel_diff']:.3g}")
 
 
 def print_times(result: dict, device: str) -> None:
