@@ -59,10 +59,18 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
 
 
 def _restore_graph(graph: fx.Graph, backup: fx.Graph) -> None:
+    """Put the graph back as ``backup`` holds it. The placeholders stay the graph's own nodes (the passes never
+    touch them): Dynamo hangs attributes on them that a copy loses (``_dynamo_source``, which Inductor asserts
+    in torch 2.11), so only the nodes after them are replaced by copies."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    copies = [n for n in backup.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(copies):  # a pass added or removed an input: copy everything
+        placeholders, copies = [], []
     for node in reversed(list(graph.nodes)):
-        graph.erase_node(node)
+        if node.op != "placeholder" or not placeholders:
+            graph.erase_node(node)
     with graph.inserting_after():
-        out = graph.graph_copy(backup, {})
+        out = graph.graph_copy(backup, dict(zip(copies, placeholders)))
         graph.output(out)
 
 

@@ -230,7 +230,7 @@ def _cache_run(tmp_path: Path, device: str, **env_extra: str) -> dict:
 
 def test_fx_graph_cache_second_process_runs_fused_code(tmp_path, device):
     """A second process with the same cache dir is served forward and backward from Inductor's FX graph cache
-    (fusenorm's passes do not run: no counts) and still runs the fused ops, matching eager. The passes' uuid()
+    (fusenorm's fusion passes do not run: no counts) and still runs the fused ops, matching eager. The passes' uuid()
     is in the cache key (a pass without one would make Inductor bypass the cache: no hit)."""
     first = _cache_run(tmp_path, device)
     assert first["cache"] == {"fxgraph_cache_miss": 2}, first
@@ -239,7 +239,9 @@ def test_fx_graph_cache_second_process_runs_fused_code(tmp_path, device):
     second = _cache_run(tmp_path, device)
     assert second["uuid"] == first["uuid"], "the passes' uuid differs between processes (were sources edited?)"
     assert second["cache"] == {"fxgraph_cache_hit": 2}, second
-    assert second["fusenorm"] == {}, second  # served from the cache: no pass ran
+    # Served from the cache: the joint pass (every fusion) did not run. The pre-grad pass (canonical norms)
+    # runs before the cache lookup up to torch 2.12 and after it (so not at all on a hit) from torch 2.13.
+    assert second["fusenorm"] in ({}, {"canonical_layer_norm": 1}), second
     assert set(second["ops"]) == POST_OPS, second
 
 
