@@ -10,13 +10,15 @@ Models (``--models``, default all; the examples in ``examples/`` build them):
     pffn   Kunlun-style PFFN stack: ``--pffn-blocks`` (3) FlashNormAttention blocks with q/k/v/output projections
            on the padded dense composite, B = 256, Lmax = 512, H = 2, D = 128, S = 128 (examples/train_pffn.py;
            B = 768 of the attention benchmark does not leave room for a training stack)      target >= 1.3x;
-           fusenorm is timed once more with flash_norm_attention's host-side offset check off (one device
-           sync per block and step; the rewritten block's offsets are valid by construction): speedup_nocheck
+           by default fusenorm fuses the block for inference only (config.patterns.attention_block_training):
+           fusenorm is timed once more with it on, the block fused in training too (t_fusenorm_fused_ms,
+           speedup_fused)
     llama  HF LlamaForCausalLM, h = 2048, 6 layers, 16 heads, batch 4 x 2048, random weights  target >= 1.00x
     bert   HF BertForMaskedLM, h = 1024, 6 layers, 16 heads, batch 16 x 512, random weights   target >= 1.00x
            (llama and bert only where ``transformers`` is importable: examples/train_hf.py)
 Per model and backend: ``--steps`` (200) steps, step time = median of the last ``--timed`` (50) steps
-(CUDA events, no host sync inside the loop), peak memory (``torch.cuda.max_memory_allocated``), the first
+(CUDA events, no host sync inside the loop), peak memory of the training steps (``torch.cuda.max_memory_allocated``
+reset after the first step) and of the first step (compilation and fusenorm's tuner included), the first
 step's wall time (compilation included). Per model: speedup = t_inductor / t_fusenorm, loss agreement (max
 |loss_fusenorm - loss_inductor| over the run, relative difference of the final losses and of the mean of the
 last 10% of the steps, "agree" within examples/_common.py's LOSS_TOL), and fusenorm's match report summary:
@@ -92,7 +94,9 @@ def row_of(name: str, kind: str, config: dict, result: dict, dtype: torch.dtype)
         "name": name, "model": kind, "config": config, "dtype": str(dtype).replace("torch.", ""),
         "steps": result["steps"], "timed": result["timed"],
         "t_fusenorm_ms": fn["median_ms"], "t_inductor_ms": ind["median_ms"], "speedup": result.get("speedup"),
-        "peak_fusenorm_mib": fn["peak_mib"], "peak_inductor_mib": ind["peak_mib"],
+        "peak_fusenorm_mib": fn["peak_mib"], "peak_inductor_mib": ind["peak_mib"],  # training steps, 2nd on
+        "first_step_peak_fusenorm_mib": fn.get("first_step_peak_mib"),
+        "first_step_peak_inductor_mib": ind.get("first_step_peak_mib"),
         "first_step_fusenorm_s": fn["first_step_s"], "first_step_inductor_s": ind["first_step_s"],
         "loss": result["agreement"],
         "loss_noise_ref": result.get("noise_ref"),
@@ -141,29 +145,26 @@ def run_pffn(args, device: str, dtype: torch.dtype) -> dict:
     s = args.sizes["pffn"]
     hd = s["heads"] * s["dim"]
     batches = train_pffn.make_batches(s["batch"], s["lmax"], s["ctx"], hd, hd, args.batches, device, dtype)
-    config = dict(s, d_model=hd, d_ctx=hd, offset_check=not args.no_offset_check, activation="fast_gelu",
+    config = dict(s, d_model=hd, d_ctx=hd, activation="fast_gelu",
                   form="padded dense einsum composite, bool padding mask")
     result = _common.compare(lambda: train_pffn.PFFNStack(hd, hd, s["heads"], s["dim"], s["blocks"]), batches,
                              train_pffn.mse_loss, steps=args.steps, lr=LR["pffn"], device=device, dtype=dtype,
                              timed=args.timed, backends=args.backends, log=log)
     row = row_of("pffn", "pffn", config, result, dtype)
-    if not args.no_offset_check:
-        # flash_norm_attention checks its offsets on the host (a sync per call); the rewritten dense block's
-        # offsets are arange(B + 1) * Lmax, valid by construction: time fusenorm once more without the check.
-        from fusenorm_inductor.ops import flash_norm_attention as fna
+    # The fused block in training (off by default: measured slower), timed once more, same seed and batches.
+    from fusenorm_inductor import config as fn_config
 
-        torch.manual_seed(0)
-        base = train_pffn.PFFNStack(hd, hd, s["heads"], s["dim"], s["blocks"])
-        fna.CHECK_OFFSETS = False
-        try:
-            nc = _common.run_backend(base, "fusenorm", batches, train_pffn.mse_loss, 1 + args.extra_warmup
-                                     + args.timed, LR["pffn"], device, dtype, args.timed)
-        finally:
-            fna.CHECK_OFFSETS = True
-        log(f"  fusenorm without the offset check: median step {nc['median_ms']:.3f} ms")
-        row.update(t_fusenorm_nocheck_ms=nc["median_ms"],
-                   speedup_nocheck=row["t_inductor_ms"] / nc["median_ms"] if nc["median_ms"] > 0 else None)
-        row["step_ms"]["fusenorm, no offset check"] = nc["step_ms"]
+    torch.manual_seed(0)
+    base = train_pffn.PFFNStack(hd, hd, s["heads"], s["dim"], s["blocks"])
+    with fn_config.patch({"patterns.attention_block_training": True}):
+        fused = _common.run_backend(base, "fusenorm", batches, train_pffn.mse_loss, 1 + args.extra_warmup
+                                    + args.timed, LR["pffn"], device, dtype, args.timed)
+    log(f"  fusenorm, block fused in training: median step {fused['median_ms']:.3f} ms, "
+        f"{fused['report']['fused_sites']}/{fused['report']['norm_sites']} norm sites fused")
+    row.update(t_fusenorm_fused_ms=fused["median_ms"], peak_fusenorm_fused_mib=fused["peak_mib"],
+               speedup_fused=row["t_inductor_ms"] / fused["median_ms"] if fused["median_ms"] > 0 else None,
+               report_fused=fused["report"])
+    row["step_ms"]["fusenorm, block fused in training"] = fused["step_ms"]
     return row
 
 
@@ -223,9 +224,10 @@ def print_table(rows: list[dict]) -> None:
               f"{sites:>9} | {t.get('metric', '')} {_f(t.get('value'), '.3f')} >= {t.get('goal', '')}: "
               f"{'met' if t.get('met') else 'NOT met'}")
     for r in rows:
-        if r.get("t_fusenorm_nocheck_ms"):
-            print(f"{r['name']}: fusenorm without flash_norm_attention's offset check "
-                  f"{r['t_fusenorm_nocheck_ms']:.3f} ms, speedup {_f(r.get('speedup_nocheck'), '.3f')}")
+        if r.get("t_fusenorm_fused_ms"):
+            print(f"{r['name']}: fusenorm with the block fused in training (patterns.attention_block_training) "
+                  f"{r['t_fusenorm_fused_ms']:.3f} ms, speedup {_f(r.get('speedup_fused'), '.3f')}, "
+                  f"peak {_f(r.get('peak_fusenorm_fused_mib'), '.0f')} MiB")
     print("eager|d|: max |loss_eager - loss_inductor| (--noise-ref); sites: norm sites fused / all (match report); "
           "target: the issue's, and the losses agree")
 
@@ -307,15 +309,13 @@ def parse_args(argv=None):
     p.add_argument("--timed", type=int, default=None, help="median over the last TIMED steps (default 50; dry 2)")
     p.add_argument("--extra-warmup", type=int, default=None,
                    help="untimed steps after the first of the timing-only runs (the MLP without norms, PFFN "
-                        "without the offset check; default 10, dry run 1)")
+                        "with the block fused in training; default 10, dry run 1)")
     p.add_argument("--mlp-widths", default=None, help="comma list (default 256,512,1024; dry run 32)")
     p.add_argument("--mlp-rows", type=int, default=None, help="M (default 262144)")
     p.add_argument("--mlp-depth", type=int, default=None, help="Linear -> LayerNorm blocks (default 6)")
     p.add_argument("--pffn-blocks", type=int, default=None, help="PFFN blocks (default 3)")
     p.add_argument("--pffn-batch", type=int, default=None, help="PFFN sequences B (default 256)")
     p.add_argument("--pffn-lmax", type=int, default=None, help="PFFN padded length Lmax (default 512)")
-    p.add_argument("--no-offset-check", action="store_true",
-                   help="PFFN: skip flash_norm_attention's host-side offset check (one sync per call)")
     p.add_argument("--batches", type=int, default=None, help="distinct batches per model, cycled (default 4)")
     p.add_argument("--noise-ref", action="store_true",
                    help="also train each model eagerly (no compile): how far two correct bf16 runs drift apart "
@@ -368,10 +368,6 @@ def main(argv=None) -> dict:
     if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1":
         log("note: TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 disables the kernel caches too: compiles will be slower")
     tuning = gn.setup_torch()  # fusenorm registered and not enabled globally (the baseline is plain Inductor)
-    if args.no_offset_check:
-        from fusenorm_inductor.ops import flash_norm_attention as fna
-
-        fna.CHECK_OFFSETS = False
     meta = meta_block(args, device, tuning)
     done = {}
     if args.resume and os.path.exists(args.out):

@@ -44,9 +44,11 @@ different places drift apart step by step like any two bf16 runs; the mean over 
 within a few % (an error in a fused kernel shows up as a loss that is off by far more, or not decreasing)."""
 
 
-def pick_device(dtype: Optional[str] = None) -> tuple[str, torch.dtype]:
-    """("cuda", bf16) where a GPU is present, else ("cpu", fp32); ``dtype`` (a name) overrides the dtype."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+def pick_device(dtype: Optional[str] = None, device: Optional[str] = None) -> tuple[str, torch.dtype]:
+    """("cuda", bf16) where a GPU is present, else ("cpu", fp32); ``device`` and ``dtype`` (names) override."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU is available")
     default = "bfloat16" if device == "cuda" else "float32"
     return device, getattr(torch, dtype or default)
 
@@ -100,13 +102,15 @@ def make_optimizer(model: nn.Module, lr: float, device: str) -> torch.optim.Opti
 
 
 def train(model: nn.Module, batches: Sequence, loss_fn: Callable, steps: int, lr: float, device: str
-          ) -> tuple[list[float], list[float], float]:
+          ) -> tuple[list[float], list[float], float, Optional[float]]:
     """``steps`` training steps on ``batches`` (cycled); returns (losses, step times in ms, first step's wall
-    time in s, compilation included)."""
+    time in s, compilation included, and on CUDA the peak memory of that first step in MiB). On CUDA the peak
+    memory statistic is reset after the first step: what remains is the training steps' own peak (compile
+    time holds more, e.g. fusenorm's tuner timing candidate kernels on tensors of the model's size)."""
     opt = make_optimizer(model, lr, device)
     cuda = device == "cuda"
     losses, times, events = [], [], []
-    first_s = float("nan")
+    first_s, first_peak = float("nan"), None
     for step in range(steps):
         batch = batches[step % len(batches)]
         t0 = time.perf_counter()
@@ -123,6 +127,8 @@ def train(model: nn.Module, batches: Sequence, loss_fn: Callable, steps: int, lr
             events.append(ev)
         if step == 0 and cuda:
             torch.cuda.synchronize()
+            first_peak = torch.cuda.max_memory_allocated() / 2**20
+            torch.cuda.reset_peak_memory_stats()
         if step == 0:
             first_s = time.perf_counter() - t0
         if not cuda:
@@ -130,7 +136,7 @@ def train(model: nn.Module, batches: Sequence, loss_fn: Callable, steps: int, lr
     if cuda:
         torch.cuda.synchronize()
         times = [a.elapsed_time(b) for a, b in events]
-    return torch.stack(losses).float().cpu().tolist(), times, first_s
+    return torch.stack(losses).float().cpu().tolist(), times, first_s, first_peak
 
 
 def run_backend(base: nn.Module, backend: str, batches: Sequence, loss_fn: Callable, steps: int, lr: float,
@@ -147,7 +153,7 @@ def run_backend(base: nn.Module, backend: str, batches: Sequence, loss_fn: Calla
     t0 = time.perf_counter()
     with no_graph_caches():
         compiled = compile_model(model, backend)
-        losses, times, first_s = train(compiled, batches, loss_fn, steps, lr, device)
+        losses, times, first_s, first_peak = train(compiled, batches, loss_fn, steps, lr, device)
     out = {
         "backend": backend,
         "losses": losses,
@@ -155,7 +161,9 @@ def run_backend(base: nn.Module, backend: str, batches: Sequence, loss_fn: Calla
         "median_ms": median_tail(times, timed),
         "first_step_s": first_s,
         "wall_s": time.perf_counter() - t0,
-        "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None,
+        # The training steps' peak (after the first step: bench_models.py compares these), and the first's.
+        "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" and steps > 1 else None,
+        "first_step_peak_mib": first_peak,
     }
     if backend == "fusenorm":
         reports = [r for r in fusenorm_inductor.reports() if id(r) not in seen]
@@ -465,12 +473,14 @@ def finish(name: str, result: dict, args, device: str, dtype: torch.dtype, confi
 
 
 def add_common_args(p, steps_cpu: int, steps_cuda: int) -> None:
-    """--steps, --timed, --lr, --dtype, --seed, --plot, --json, --report, --backends."""
+    """--steps, --timed, --lr, --device, --dtype, --seed, --plot, --json, --report, --backends."""
     cuda = torch.cuda.is_available()
     p.add_argument("--steps", type=int, default=steps_cuda if cuda else steps_cpu)
     p.add_argument("--timed", type=int, default=None,
                    help="step times: median of the last TIMED steps (default: half the run, at most 50)")
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the example's)")
+    p.add_argument("--device", default=None, choices=["cuda", "cpu"],
+                   help="default: cuda where a GPU is present (the size defaults are for it), else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--seed", type=int, default=0)

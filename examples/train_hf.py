@@ -147,7 +147,7 @@ def main(argv=None) -> dict:
         print("transformers is not installed: skipping the HF examples (pip install transformers, or "
               "pip install -e \".[examples]\")")
         return {}
-    device, dtype = _common.pick_device(args.dtype)
+    device, dtype = _common.pick_device(args.dtype, args.device)
     out = {}
     for kind in args.model:
         print(f"== {kind}")

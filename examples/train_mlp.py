@@ -90,7 +90,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device, dtype = _common.pick_device(args.dtype)
+    device, dtype = _common.pick_device(args.dtype, args.device)
     batches = make_batches(args.rows, args.width, args.batches, device, dtype)
     config = {"rows": args.rows, "width": args.width, "depth": args.depth, "act": args.act, "norm": args.norm,
               "affine": not args.no_affine}

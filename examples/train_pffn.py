@@ -13,11 +13,13 @@ context c [B, S, d_ctx] (shared by the blocks):
 
 then a masked mean over the valid tokens, a linear head and an MSE loss against a fixed random teacher's
 targets. This is the padded dense composite that fusenorm's ``attention_block_dense`` pattern recognizes
-(``patterns/attention_block.py``): fusenorm rewrites each block's LN -> GDPA -> + ln_q -> mask -> RMSNorm -> + q
-into one ``fusenorm::flash_norm_attention`` (masked rows become where(mask, out, q), as in the original).
+(``patterns/attention_block.py``). With ``--fuse-training`` (config.patterns.attention_block_training; off by
+default: the fused backward measures slower on the H200, so the block is fused for inference only) fusenorm
+rewrites each block's LN -> GDPA -> + ln_q -> mask -> RMSNorm -> + q into one ``fusenorm::flash_norm_attention``
+(masked rows become where(mask, out, q), as in the original).
 
-    python examples/train_pffn.py                 # CPU: tiny sizes, seconds after compiling
-    python examples/train_pffn.py --batch 256 --lmax 512 --heads 2 --dim 128 --ctx 128 --blocks 3
+    python examples/train_pffn.py --fuse-training # CPU: tiny sizes, seconds after compiling
+    python examples/train_pffn.py --batch 256 --lmax 512 --heads 2 --dim 128 --ctx 128 --blocks 3 [--fuse-training]
                                                    # CUDA defaults (bf16): fits an H200 with room to spare
 
 Sequence lengths are uniform in [Lmax/2, Lmax] (half the rows padded at worst, ~25% on average).
@@ -120,8 +122,9 @@ def parse_args(argv=None):
     p.add_argument("--d-ctx", type=int, default=None, help="context width (default H*D)")
     p.add_argument("--blocks", type=int, default=3 if cuda else 2)
     p.add_argument("--batches", type=int, default=4, help="distinct batches, cycled")
-    p.add_argument("--no-offset-check", action="store_true",
-                   help="skip flash_norm_attention's host-side offset check (a device sync per call on CUDA)")
+    p.add_argument("--fuse-training", action="store_true",
+                   help="fuse the block in training too (config.patterns.attention_block_training; off by "
+                        "default: the fused backward measures slower on the H200)")
     _common.add_common_args(p, steps_cpu=12, steps_cuda=200)
     args = p.parse_args(argv)
     args.lr = args.lr or 1e-3
@@ -133,19 +136,18 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device, dtype = _common.pick_device(args.dtype)
-    if args.no_offset_check:
-        from fusenorm_inductor.ops import flash_norm_attention as fna
-
-        fna.CHECK_OFFSETS = False
+    device, dtype = _common.pick_device(args.dtype, args.device)
     batches = make_batches(args.batch, args.lmax, args.ctx, args.d_model, args.d_ctx, args.batches, device, dtype)
     config = {"B": args.batch, "Lmax": args.lmax, "H": args.heads, "D": args.dim, "S": args.ctx,
               "d_model": args.d_model, "d_ctx": args.d_ctx, "blocks": args.blocks,
-              "offset_check": not args.no_offset_check}
-    result = _common.compare(
-        lambda: PFFNStack(args.d_model, args.d_ctx, args.heads, args.dim, args.blocks), batches, mse_loss,
-        steps=args.steps, lr=args.lr, device=device, dtype=dtype, seed=args.seed, timed=_common.timed_steps(args),
-        backends=args.backends.split(","))
+              "fused_in_training": args.fuse_training}
+    from fusenorm_inductor import config as fn_config
+
+    with fn_config.patch({"patterns.attention_block_training": args.fuse_training}):
+        result = _common.compare(
+            lambda: PFFNStack(args.d_model, args.d_ctx, args.heads, args.dim, args.blocks), batches, mse_loss,
+            steps=args.steps, lr=args.lr, device=device, dtype=dtype, seed=args.seed,
+            timed=_common.timed_steps(args), backends=args.backends.split(","))
     return _common.finish(f"PFFN {args.blocks} x FlashNormAttention block", result, args, device, dtype, config)
 
 

@@ -41,12 +41,11 @@ class patterns:
     # fusenorm::gdpa or as the dense einsum/matmul composite): one fusenorm::flash_norm_attention call
     # (pre-grad; pattern names attention_block and attention_block_dense).
     attention_block: bool = Config(env_name_default="FUSENORM_ATTENTION_BLOCK", default=True)
-    # The block written with fusenorm::gdpa, when gradients are needed. Off by default: on the H200 the fused
-    # backward measures 18-30% slower than gdpa + Inductor's norms (README, Performance, Attention), so that
-    # form is fused for inference only. The dense form is always fused (1.3-1.6x faster than Inductor's
-    # dense composite in the backward too).
-    attention_block_gdpa_training: bool = Config(env_name_default="FUSENORM_ATTENTION_BLOCK_GDPA_TRAINING",
-                                                 default=False)
+    # Either form of the block when gradients are needed (training). Off by default: on the H200 the fused
+    # backward is slower than what it replaces. Written with gdpa: 18-30% slower than gdpa + Inductor's norms
+    # (README, Performance, Attention). The dense composite: a PFFN training step measures 0.63x of plain
+    # Inductor's (benchmarks/results/models_h200.json; its padded rows are computed too). Inference is fused.
+    attention_block_training: bool = Config(env_name_default="FUSENORM_ATTENTION_BLOCK_TRAINING", default=False)
 
 
 # Let the fused kernels for rows wider than one tile (N > 256) exchange row statistics between programs

@@ -389,6 +389,18 @@ class _BlockPattern(Pattern):
             if others:
                 raise Reject(f"{n.name} (inside the block) has another user ({others[0].name}): not fused")
 
+    def check_inference(self, q: Node, k: Node, v: Node, norm: Node, rms: Node, why: str) -> None:
+        """Unless config.patterns.attention_block_training is set, the block is fused only where no gradient
+        is needed: its fused backward is slower than what it replaces on the H200 (``why``). Gradients are
+        needed when grad mode is on while compiling (the pass runs inside the caller's no_grad /
+        inference_mode) and an input requires them (parameters do even under no_grad)."""
+        if config.patterns.attention_block_training or not torch.is_grad_enabled():
+            return
+        grads = [n.name for n in (q, k, v, bind_op_args(norm)["weight"], bind_op_args(rms)["weight"])
+                 if isinstance(n, Node) and getattr(val(n), "requires_grad", False)]
+        require(not grads, f"gradients needed ({', '.join(grads)}): {why}, so the block is fused for inference "
+                "only (config.patterns.attention_block_training = True fuses it anyway)")
+
     def fused_op(self):
         op = _op("flash_norm_attention")
         require(op is not None, "fusenorm::flash_norm_attention is not available")
@@ -472,14 +484,8 @@ class FlashNormAttentionGdpa(_BlockPattern):
         self.check_users(head + [g] + tail, {final})
         require(val(a["k"]).dtype == qv.dtype == val(a["v"]).dtype, "q, k, v dtypes differ")
         self.fused_op()
-        # Gradients are needed when grad mode is on while compiling (the pass runs inside the caller's
-        # no_grad / inference_mode) and an input requires them (parameters do even under no_grad).
-        if not config.patterns.attention_block_gdpa_training and torch.is_grad_enabled():
-            grads = [n.name for n in (q, a["k"], a["v"], bind_op_args(norm)["weight"], bind_op_args(rms)["weight"])
-                     if isinstance(n, Node) and getattr(val(n), "requires_grad", False)]
-            require(not grads, f"gradients needed ({', '.join(grads)}): the fused backward measures 18-30% slower "
-                    "than gdpa + Inductor's norms on the H200, so this form is fused for inference only "
-                    "(config.patterns.attention_block_gdpa_training = True fuses it anyway)")
+        self.check_inference(q, a["k"], a["v"], norm, rms,
+                             "the fused backward measures 18-30% slower than gdpa + Inductor's norms on the H200")
         m = BlockMatch("gdpa", q, shape4, a["k"], a["v"], a["q_offsets"], int(a["max_seq_len_q"]),
                        a["activation"], float(a["scale"]), norm, rms, final, None, _unique(head + [g] + tail))
         self.check_op_accepts(m)
@@ -548,6 +554,8 @@ class FlashNormAttentionDense(_BlockPattern):
         self.fused_op()
         bsz, length = shape4[0], shape4[1]
         require(bsz * length > 0, "no query rows")
+        self.check_inference(q, k, v, norm, rms, "a training step of the PFFN stack measures 0.63x of Inductor's "
+                             "dense composite on the H200 (benchmarks/results/models_h200.json)")
         m = BlockMatch("dense", q, (bsz * length, shape4[2], shape4[3]), k, v, None, length, activation,
                        scale, norm, rms, final, mask, _unique(interior))
         self.check_op_accepts(m)

@@ -59,28 +59,31 @@ def check_forward(make, inputs, device) -> dict:
 
 
 @pytest.fixture(autouse=True)
-def _gdpa_form_in_training():
-    """The tests below check the gdpa-form rewrite in training too; by default that form is fused for
-    inference only (test_gdpa_block_training_gate checks the default)."""
-    with config.patch({"patterns.attention_block_gdpa_training": True}):
+def _fused_in_training():
+    """The tests below check the rewrites in training too; by default both forms are fused for inference
+    only (test_block_training_gate checks the default)."""
+    with config.patch({"patterns.attention_block_training": True}):
         yield
 
 
 # ---- form (i): written with fusenorm::gdpa ------------------------------------------------------------
 
 
-def test_gdpa_block_training_gate(device):
-    """Default: the gdpa form is left unfused when gradients are needed (reported with the reason) and fused
-    under no_grad; the dense form is fused in training either way."""
-    make = lambda: FlashNormAttentionBlock(2, 16, "gdpa", "fast_gelu", 0.5, True)  # noqa: E731
-    with config.patch({"patterns.attention_block_gdpa_training": False}):
-        assert check(make, attention_inputs("gdpa"), device) == UNFUSED_GDPA
+def test_block_training_gate(device):
+    """Default: either form is left unfused when gradients are needed (reported with the reason, outputs
+    and gradients still match eager) and fused under no_grad."""
+    gdpa = lambda: FlashNormAttentionBlock(2, 16, "gdpa", "fast_gelu", 0.5, True)  # noqa: E731
+    dense = lambda: FlashNormAttentionBlock(2, 16, "einsum", "gelu_tanh", 0.5, True)  # noqa: E731
+    with config.patch({"patterns.attention_block_training": False}):
+        assert check(gdpa, attention_inputs("gdpa"), device) == UNFUSED_GDPA
         assert any("gradients needed" in r and "inference only" in r for r in skips("attention_block"))
         torch._dynamo.reset()
-        assert check_forward(make, attention_inputs("gdpa"), device) == {"fna": 1}
+        assert check_forward(gdpa, attention_inputs("gdpa"), device) == {"fna": 1}
         torch._dynamo.reset()
-        dense = lambda: FlashNormAttentionBlock(2, 16, "einsum", "gelu_tanh", 0.5, True)  # noqa: E731
-        assert check(dense, attention_inputs("einsum"), device)["fna_bwd"] == 1
+        assert check(dense, attention_inputs("einsum"), device)["fna"] == 0
+        assert any("gradients needed" in r and "0.63x" in r for r in skips("attention_block_dense"))
+        torch._dynamo.reset()
+        assert check_forward(dense, attention_inputs("einsum"), device)["fna"] == 1
 
 
 @pytest.mark.parametrize("activation", GDPA_ACTIVATIONS)
