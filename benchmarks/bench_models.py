@@ -193,7 +193,8 @@ def run_pffn(args, device: str, dtype: torch.dtype) -> dict:
         f"{fused['report']['fused_sites']}/{fused['report']['norm_sites']} norm sites fused")
     row.update(t_fusenorm_fused_ms=fused["median_ms"], peak_fusenorm_fused_mib=fused["peak_mib"],
                speedup_fused=row["t_inductor_ms"] / fused["median_ms"] if fused["median_ms"] > 0 else None,
-               report_fused=fused["report"])
+               report_fused=fused["report"],
+               loss_fused=_common.loss_agreement(fused["losses"], row["losses"]["inductor"], dtype))
     row["step_ms"]["fusenorm, block fused in training"] = fused["step_ms"]
     return row
 
