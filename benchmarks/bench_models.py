@@ -110,6 +110,26 @@ def row_of(name: str, kind: str, config: dict, result: dict, dtype: torch.dtype)
     }
 
 
+def timing_run(make_model, backend: str, batches, loss_fn, lr: float, args, device: str,
+               dtype: torch.dtype) -> dict:
+    """A timing-only run (``run_backend``): the model built under seed 0, 1 + ``--extra-warmup`` + ``--timed``
+    steps."""
+    torch.manual_seed(0)
+    return _common.run_backend(make_model(), backend, batches, loss_fn, 1 + args.extra_warmup + args.timed, lr,
+                               device, dtype, args.timed)
+
+
+def compare_row(name: str, kind: str, config: dict, make_model, batches, loss_fn, args, device: str,
+                dtype: torch.dtype) -> dict:
+    """fusenorm against Inductor (and eager with --noise-ref) trained on ``batches``: the row, its step times
+    the means over both orders (``retime_reversed``)."""
+    result = _common.compare(make_model, batches, loss_fn, steps=args.steps, lr=LR[kind], device=device,
+                             dtype=dtype, timed=args.timed, backends=args.backends, log=log)
+    row = row_of(name, kind, config, result, dtype)
+    retime_reversed(row, make_model, batches, loss_fn, LR[kind], args, device, dtype)
+    return row
+
+
 def retime_reversed(row: dict, make_model, batches, loss_fn, lr: float, args, device: str,
                     dtype: torch.dtype) -> None:
     """Time inductor and fusenorm once more, in the reverse order (timing-only runs, fresh compiles), and
@@ -119,11 +139,8 @@ def retime_reversed(row: dict, make_model, batches, loss_fn, lr: float, args, de
     order showed the reverse. Both orders' medians stay in the row (t_*_orders_ms)."""
     if args.no_reverse:
         return
-    again = {}
-    for backend in ("inductor", "fusenorm"):
-        torch.manual_seed(0)
-        again[backend] = _common.run_backend(make_model(), backend, batches, loss_fn, 1 + args.extra_warmup
-                                             + args.timed, lr, device, dtype, args.timed)["median_ms"]
+    again = {backend: timing_run(make_model, backend, batches, loss_fn, lr, args, device, dtype)["median_ms"]
+             for backend in ("inductor", "fusenorm")}
     for backend in ("inductor", "fusenorm"):
         first = row[f"t_{backend}_ms"]
         row[f"t_{backend}_orders_ms"] = {"fusenorm first": first, "inductor first": again[backend]}
@@ -149,17 +166,11 @@ def run_mlp(width: int, args, device: str, dtype: torch.dtype) -> dict:
     s = args.sizes["mlp"]
     batches = train_mlp.make_batches(s["rows"], width, args.batches, device, dtype)
     config = {"rows": s["rows"], "width": width, "depth": s["depth"], "norm": "LayerNorm (affine)", "act": "none"}
-    result = _common.compare(lambda: train_mlp.MLP(width, width, s["depth"]), batches, train_mlp.bce_loss,
-                             steps=args.steps, lr=LR["mlp"], device=device, dtype=dtype, timed=args.timed,
-                             backends=args.backends, log=log)
-    row = row_of(f"mlp_d{width}", "mlp", config, result, dtype)
-    retime_reversed(row, lambda: train_mlp.MLP(width, width, s["depth"]), batches, train_mlp.bce_loss, LR["mlp"],
-                    args, device, dtype)
+    row = compare_row(f"mlp_d{width}", "mlp", config, lambda: train_mlp.MLP(width, width, s["depth"]), batches,
+                      train_mlp.bce_loss, args, device, dtype)
     # The same stack with the norms replaced by identity, Inductor, timed only.
-    torch.manual_seed(0)
-    base = train_mlp.MLP(width, width, s["depth"], norm="none")
-    nn_run = _common.run_backend(base, "inductor", batches, train_mlp.bce_loss, 1 + args.extra_warmup + args.timed,
-                                 LR["mlp"], device, dtype, args.timed)
+    nn_run = timing_run(lambda: train_mlp.MLP(width, width, s["depth"], norm="none"), "inductor", batches,
+                        train_mlp.bce_loss, LR["mlp"], args, device, dtype)
     log(f"   no norm: median step {nn_run['median_ms']:.3f} ms")
     t_fn, t_ind, t_nn = row["t_fusenorm_ms"], row["t_inductor_ms"], nn_run["median_ms"]
     row.update(t_no_norm_ms=t_nn, peak_no_norm_mib=nn_run["peak_mib"],
@@ -175,20 +186,15 @@ def run_pffn(args, device: str, dtype: torch.dtype) -> dict:
     batches = train_pffn.make_batches(s["batch"], s["lmax"], s["ctx"], hd, hd, args.batches, device, dtype)
     config = dict(s, d_model=hd, d_ctx=hd, activation="fast_gelu",
                   form="padded dense einsum composite, bool padding mask")
-    result = _common.compare(lambda: train_pffn.PFFNStack(hd, hd, s["heads"], s["dim"], s["blocks"]), batches,
-                             train_pffn.mse_loss, steps=args.steps, lr=LR["pffn"], device=device, dtype=dtype,
-                             timed=args.timed, backends=args.backends, log=log)
-    row = row_of("pffn", "pffn", config, result, dtype)
-    retime_reversed(row, lambda: train_pffn.PFFNStack(hd, hd, s["heads"], s["dim"], s["blocks"]), batches,
-                    train_pffn.mse_loss, LR["pffn"], args, device, dtype)
+    def make():
+        return train_pffn.PFFNStack(hd, hd, s["heads"], s["dim"], s["blocks"])
+
+    row = compare_row("pffn", "pffn", config, make, batches, train_pffn.mse_loss, args, device, dtype)
     # The fused block in training (off by default: measured slower), timed once more, same seed and batches.
     from fusenorm_inductor import config as fn_config
 
-    torch.manual_seed(0)
-    base = train_pffn.PFFNStack(hd, hd, s["heads"], s["dim"], s["blocks"])
     with fn_config.patch({"patterns.attention_block_training": True}):
-        fused = _common.run_backend(base, "fusenorm", batches, train_pffn.mse_loss, 1 + args.extra_warmup
-                                    + args.timed, LR["pffn"], device, dtype, args.timed)
+        fused = timing_run(make, "fusenorm", batches, train_pffn.mse_loss, LR["pffn"], args, device, dtype)
     log(f"  fusenorm, block fused in training: median step {fused['median_ms']:.3f} ms, "
         f"{fused['report']['fused_sites']}/{fused['report']['norm_sites']} norm sites fused")
     row.update(t_fusenorm_fused_ms=fused["median_ms"], peak_fusenorm_fused_mib=fused["peak_mib"],
@@ -202,14 +208,9 @@ def run_pffn(args, device: str, dtype: torch.dtype) -> dict:
 def run_hf(kind: str, args, device: str, dtype: torch.dtype) -> dict:
     c = dict(args.sizes[kind])
     batches = train_hf.make_batches(kind, c, args.batches, device)
-    result = _common.compare(lambda: train_hf.make_model(kind, c), batches, train_hf.lm_loss, steps=args.steps,
-                             lr=LR[kind], device=device, dtype=dtype, timed=args.timed, backends=args.backends,
-                             log=log)
     config = dict(c, dropout="p = 0, zero-probability nn.Dropout modules replaced by identities", attn="sdpa")
-    row = row_of(kind, kind, config, result, dtype)
-    retime_reversed(row, lambda: train_hf.make_model(kind, c), batches, train_hf.lm_loss, LR[kind], args, device,
-                    dtype)
-    return row
+    return compare_row(kind, kind, config, lambda: train_hf.make_model(kind, c), batches, train_hf.lm_loss, args,
+                       device, dtype)
 
 
 def jobs(args) -> list[tuple[str, str, object]]:

@@ -18,6 +18,7 @@ would skip fusenorm's passes, and with them the match report); kernel caches sta
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import importlib.util
@@ -472,13 +473,21 @@ def finish(name: str, result: dict, args, device: str, dtype: torch.dtype, confi
     return result
 
 
-def add_common_args(p, steps_cpu: int, steps_cuda: int) -> None:
-    """--steps, --timed, --lr, --device, --dtype, --seed, --plot, --json, --report, --backends."""
+def make_parser(doc: str) -> argparse.ArgumentParser:
+    """An example's parser: its docstring's first paragraph as the description, the rest kept as written."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_common_args(p, steps_cpu: int, steps_cuda: int, lr: float, report: str) -> None:
+    """--batches, --steps, --timed, --lr, --device, --dtype, --seed, --plot, --json, --report, --backends
+    (``lr`` and ``report``: the example's defaults)."""
     cuda = torch.cuda.is_available()
+    p.add_argument("--batches", type=int, default=4, help="distinct batches, cycled")
     p.add_argument("--steps", type=int, default=steps_cuda if cuda else steps_cpu)
     p.add_argument("--timed", type=int, default=None,
                    help="step times: median of the last TIMED steps (default: half the run, at most 50)")
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the example's)")
+    p.add_argument("--lr", type=float, default=lr, help="AdamW learning rate")
     p.add_argument("--device", default=None, choices=["cuda", "cpu"],
                    help="default: cuda where a GPU is present (the size defaults are for it), else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -486,7 +495,7 @@ def add_common_args(p, steps_cpu: int, steps_cuda: int) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", metavar="PNG", help="write the loss curves and step times (needs matplotlib)")
     p.add_argument("--json", metavar="PATH", help="write losses, step times, agreement and the report summary")
-    p.add_argument("--report", choices=["full", "summary", "none"], default=None,
+    p.add_argument("--report", choices=["full", "summary", "none"], default=report,
                    help="how much of fusenorm's match report to print")
     p.add_argument("--backends", default=",".join(BACKENDS),
                    help="comma list of backends to compare (fusenorm, inductor, eager); the first two are compared")

@@ -122,18 +122,14 @@ def run_model(kind: str, args, device: str, dtype: torch.dtype, log=print) -> tu
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _common.make_parser(__doc__)
     p.add_argument("--model", default="llama,bert", help="comma list of llama, bert")
     for key in ("hidden", "layers", "heads", "intermediate", "vocab", "batch", "seq"):
         p.add_argument(f"--{key}", type=int, default=None,
                        help=f"default: llama {CUDA_DEFAULTS['llama'][key]}, bert {CUDA_DEFAULTS['bert'][key]} on "
                             f"CUDA; {CPU_DEFAULTS['llama'][key]} on the CPU")
-    p.add_argument("--batches", type=int, default=4, help="distinct batches, cycled")
-    _common.add_common_args(p, steps_cpu=12, steps_cuda=200)
+    _common.add_common_args(p, steps_cpu=12, steps_cuda=200, lr=3e-4, report="summary")
     args = p.parse_args(argv)
-    args.lr = args.lr or 3e-4
-    args.report = args.report or "summary"
     args.model = [m.strip() for m in args.model.split(",") if m.strip()]
     bad = [m for m in args.model if m not in MODELS]
     if bad:

@@ -12,7 +12,6 @@ from a fixed random linear teacher, so the loss decreases and the two curves can
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -69,8 +68,7 @@ def bce_loss(model, batch):
 
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _common.make_parser(__doc__)
     p.add_argument("--rows", type=int, default=262144 if cuda else 1024, help="batch rows (M)")
     p.add_argument("--width", type=int, default=512 if cuda else 64, help="every layer's width (d)")
     p.add_argument("--depth", type=int, default=6 if cuda else 4, help="Linear -> norm blocks")
@@ -80,11 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--norm", default="layer", choices=["layer", "rms", "none"],
                    help="LayerNorm (default), RMSNorm, or identity (the stack without norms)")
     p.add_argument("--no-affine", action="store_true", help="norms without weight and bias")
-    p.add_argument("--batches", type=int, default=4, help="distinct batches, cycled")
-    _common.add_common_args(p, steps_cpu=20, steps_cuda=200)
+    _common.add_common_args(p, steps_cpu=20, steps_cuda=200, lr=1e-3, report="full")
     args = p.parse_args(argv)
-    args.lr = args.lr or 1e-3
-    args.report = args.report or "full"
     return args
 
 

@@ -27,7 +27,6 @@ Sequence lengths are uniform in [Lmax/2, Lmax] (half the rows padded at worst, ~
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -111,8 +110,7 @@ def mse_loss(model, batch):
 
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _common.make_parser(__doc__)
     p.add_argument("--batch", type=int, default=256 if cuda else 4, help="sequences (B)")
     p.add_argument("--lmax", type=int, default=512 if cuda else 12, help="padded query length (Lmax)")
     p.add_argument("--heads", type=int, default=2, help="H")
@@ -121,14 +119,11 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, default=None, help="token width (default H*D)")
     p.add_argument("--d-ctx", type=int, default=None, help="context width (default H*D)")
     p.add_argument("--blocks", type=int, default=3 if cuda else 2)
-    p.add_argument("--batches", type=int, default=4, help="distinct batches, cycled")
     p.add_argument("--fuse-training", action="store_true",
                    help="fuse the block in training too (config.patterns.attention_block_training; off by "
                         "default: the fused backward measures slower on the H200)")
-    _common.add_common_args(p, steps_cpu=12, steps_cuda=200)
+    _common.add_common_args(p, steps_cpu=12, steps_cuda=200, lr=1e-3, report="full")
     args = p.parse_args(argv)
-    args.lr = args.lr or 1e-3
-    args.report = args.report or "full"
     hd = args.heads * args.dim
     args.d_model, args.d_ctx = args.d_model or hd, args.d_ctx or hd
     return args
