@@ -15,7 +15,10 @@ setup(
     version="0.1.0",
     description="torch.compile plugin fusing LayerNorm/RMSNorm into neighbouring GEMMs (Triton kernels)",
     python_requires=">=3.10",
-    packages=["fusenorm_inductor", "fusenorm_inductor.ops", "fusenorm_inductor.patterns"],
+    packages=[
+        "fusenorm_inductor", "fusenorm_inductor.ops", "fusenorm_inductor.patterns", "fusenorm_inductor.kernels",
+        "fusenorm_inductor.kernels.hopper",
+    ],
     py_modules=["fusenorm"],
     install_requires=["torch>=2.11", "sympy"],
     extras_require={

@@ -496,9 +496,27 @@ def _scratch(y, hh, out_dtype, h_dtype, save_normed, m, n, dev) -> Tensor:
     return _alloc((m, n), h_dtype, dev)
 
 
-def forward_candidates(a: Tensor, b: Tensor, n: int, out_bytes: int = 2) -> list[GemmConfig]:
+def gluon_unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed) -> Optional[str]:
+    """Why the Gluon sm_90 kernels (kernels/hopper/mm_norm.py) cannot take these inputs; None when they can."""
+    if _FORCE_BLOCK_N is not None:
+        return "test hook _FORCE_BLOCK_N set"
+    from ..kernels.hopper import mm_norm as hopper
+
+    return hopper.unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed)
+
+
+def forward_candidates(a: Tensor, b: Tensor, n: int, out_bytes: int = 2, gluon_args: Optional[tuple] = None
+                       ) -> list[GemmConfig]:
     """The configurations worth timing for this shape, best guess first (``tuning`` times them on CUDA and
-    caches the winner; without tuning the first one runs). ``out_bytes``: 4 when an [M, N] output is fp32."""
+    caches the winner; without tuning the first one runs). ``out_bytes``: 4 when an [M, N] output is fp32.
+    ``gluon_args`` (bias, residual, weight, norm_bias, out_dtype, save_normed): when given and the Gluon
+    kernels take these inputs, their configurations come first."""
+    if gluon_args is not None and gluon_unsupported(a, b, *gluon_args) is None:
+        from ..kernels.hopper import mm_norm as hopper
+
+        gluon = hopper.candidates(a, b, gluon_args[-1])
+        if gluon:
+            return gluon
     fixed, bk = fixed_candidates(a, b, n, _FORCE_BLOCK_N)
     if fixed is not None:
         return fixed
@@ -551,6 +569,12 @@ def mm_norm_triton(
         from .tuning import forward_config
 
         config = forward_config(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed)
+    if config.kind.startswith("gl_"):
+        from ..kernels.hopper.mm_norm import mm_norm_gluon
+
+        mm_norm_gluon(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_normed, y, hh, mean, rstd, config,
+                      gemm_only, lambda shape, dtype: _alloc(shape, dtype, dev))
+        return y, hh, mean, rstd
     if config.kind == "spin" and triton.cdiv(n, config.block_n) > num_sms(dev):
         tiles = triton.cdiv(n, config.block_n)
         raise ValueError(f"{config.label()}: a row block's {tiles} tiles cannot all be resident (spin exchange)")

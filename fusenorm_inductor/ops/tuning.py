@@ -28,7 +28,7 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -80,6 +80,8 @@ def _sources_hash() -> str:
     kernels = ("_triton_common.py", "mm_norm_kernels.py", "mm_norm_backward_kernels.py", "norm_mm_kernels.py")
     for name in (*kernels, "tuning.py"):
         h.update((here / name).read_bytes())
+    for path in sorted((here.parent / "kernels").rglob("*.py")):  # the Gluon kernels
+        h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -268,7 +270,8 @@ def _measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_d
         args = [_RealInputs.like(t, dev) for t in (bias, residual, weight, norm_bias)]
         times = {}
         out_bytes = forward_out_bytes(ra, residual, out_dtype, save_normed)
-        for cand in forward_candidates(ra, rb, rb.shape[1], out_bytes):
+        gluon_args = (args[0], args[1], args[2], args[3], out_dtype, save_normed)
+        for cand in forward_candidates(ra, rb, rb.shape[1], out_bytes, gluon_args):
             times[cand] = _time_ms(
                 lambda c=cand: mm_norm_triton(ra, rb, *args, eps, is_rms, out_dtype, save_normed, config=c)
             )
@@ -309,7 +312,8 @@ def forward_config(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dty
     return _tuned_config(
         _forward_key(a, b, bias, residual, weight, norm_bias, is_rms, out_dtype, save_normed),
         a.device,
-        lambda: forward_candidates(a, b, b.shape[1], forward_out_bytes(a, residual, out_dtype, save_normed)),
+        lambda: forward_candidates(a, b, b.shape[1], forward_out_bytes(a, residual, out_dtype, save_normed),
+                                   (bias, residual, weight, norm_bias, out_dtype, save_normed)),
         lambda: _measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed),
     )
 
@@ -336,7 +340,14 @@ def forward_choice(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dty
     measure = functools.partial(
         _measure_forward, a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed
     )
-    return _choice(key, a.device, measure, lambda: _default_label(a))
+    choice = _choice(key, a.device, measure, lambda: _default_label(a))
+    if a.device.type == "cuda" and not choice.config.startswith("gl_"):
+        from .mm_norm_kernels import gluon_unsupported
+
+        why = gluon_unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed)
+        if why is not None:
+            choice = replace(choice, reason=f"{choice.reason}; Gluon sm_90 path not taken: {why}")
+    return choice
 
 
 def _default_label(t: Tensor) -> str:

@@ -1,0 +1,58 @@
+"""The one place that names Gluon's API (triton.experimental.gluon), which moves between triton releases.
+
+Every Hopper kernel module imports Gluon through here. ``GLUON_ERROR`` is None when the API this package
+was written against (triton 3.6) is importable, else the reason it is not; then ``available()`` is False and
+the ops take their ``tl`` or reference paths (the match report says which ran).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+GLUON_ERROR: Optional[str] = None
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # Renamed upstream after 3.6 (async_load / async_store); the 3.6 names are kept as aliases for a while.
+    tma_load = getattr(tma, "async_copy_global_to_shared", None) or tma.async_load
+    tma_store = getattr(tma, "async_copy_shared_to_global", None) or tma.async_store
+    constexpr_function = gluon.constexpr_function
+except Exception as e:  # noqa: BLE001 - any failure means: no Gluon path on this triton
+    GLUON_ERROR = f"{type(e).__name__}: {e}"
+    gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
+    TensorDescriptor = tma_load = tma_store = constexpr_function = None
+
+
+def available() -> bool:
+    """Whether this triton's Gluon has what the Hopper kernels use."""
+    return GLUON_ERROR is None
+
+
+if GLUON_ERROR is None:
+
+    @gluon.jit
+    def cluster_arrive():
+        """Arrive on the hardware cluster barrier (release: this thread's global writes are visible to the
+        cluster's threads that then wait). Counts every non-exited thread of every CTA of the cluster."""
+        gl.inline_asm_elementwise(
+            "barrier.cluster.arrive.release.aligned;\nmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+            pack=1,
+        )
+
+    @gluon.jit
+    def cluster_wait():
+        """Wait for the cluster barrier's current phase (acquire). Each thread alternates arrive / wait."""
+        gl.inline_asm_elementwise(
+            "barrier.cluster.wait.acquire.aligned;\nmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+            pack=1,
+        )

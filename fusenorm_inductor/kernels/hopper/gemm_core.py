@@ -1,0 +1,216 @@
+"""The one GEMM mainloop of the sm_90 kernels: persistent, warp-specialized, TMA-fed, async wgmma.
+
+``acc[BM, BN] = A[off_m:, :] @ B[:, off_n:]`` (fp32), A [M, K] row-major, B given either as its transpose
+[N, K] (an nn.Linear weight, ``B_KN=False``) or row-major [K, N] (``B_KN=True``). Out-of-bounds TMA reads
+are zero-filled, so M, N and K need not be multiples of the tile.
+
+Partitions (``gl.warp_specialize``):
+- loader (1 warp; 4 in cluster schedules that synchronize, see below): walks the same schedule as the
+  consumers and keeps a ring of ``NUM_STAGES`` (A, B) stages full, one mbarrier pair per stage (``ready``:
+  the TMA bytes landed, ``empty``: the consumer's wgmma that read it retired);
+- consumers: ``NCONS = 1`` ("cooperative": one partition of ``num_warps`` warps, 1 or 2 warpgroups, owns a
+  tile at a time) or ``NCONS = 2`` ("ping-pong": two 4-warp partitions take alternate tiles; an order
+  barrier pair serializes their mainloops, so one's epilogue runs under the other's MMAs).
+
+Each consumer hands its finished fp32 accumulator, in the wgmma register layout, to ``EPILOGUE``:
+``EPILOGUE(acc, off_m, off_n, rank, c_bufs, buf0, epi_bar, it, eargs, FLAGS, M, N, layout)``, a ``gluon.jit`` function
+passed as a constexpr with its runtime arguments in the tuple ``eargs`` and its compile-time switches in the
+integer ``FLAGS`` (a bit mask: constexprs inside a tuple do not stay constexpr across ``warp_specialize``). ``c_bufs`` holds ``NUM_OUT`` shared-memory staging
+tiles per consumer (from index ``buf0``) for TMA stores, and TMA loads of [BM, BN] operands of the epilogue
+(a residual) through them, with the consumer's own mbarrier ``epi_bar`` (phase ``it & 1`` on its ``it``-th
+tile): a tile's worth of pointers in the wgmma layout costs more registers than the accumulator. The fused ops (post-norm forward, plain GEMM, ...)
+are epilogues of this core, not mainloops of their own.
+
+Schedules (``C``): ``C = 1`` walks the [M/BM, N/BN] tiles persistently, row block major (consecutive
+programs share an A row block in L2). ``C > 1`` is the cluster schedule for rows wider than a tile: the
+kernel is launched in clusters of C CTAs (``launch.py``); cluster ``pid // C`` walks row blocks, CTA ``rank =
+pid % C`` always computes N tile ``rank``, so a row block's C tiles run at the same time on the cluster's SMs
+and an epilogue can exchange row statistics with ``cluster_arrive`` / ``cluster_wait`` (``SYNC``). The
+hardware cluster barrier counts every thread, so with ``SYNC`` the loader arrives once per row block too
+(and has 4 warps: a 1-warp partition is padded to a warpgroup whose idle warps would never arrive).
+"""
+
+from __future__ import annotations
+
+from ._compat import (
+    cluster_arrive,
+    cluster_wait,
+    constexpr_function,
+    gl,
+    gluon,
+    mbarrier,
+    tma,
+    tma_load,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+
+@constexpr_function
+def mma_layout(BM, BN, num_warps):
+    """The wgmma accumulator layout: warps stacked along M (16 rows each), the widest instruction N that
+    divides BN. One row of the tile lives in a quad of one warp, so row sums are shuffles."""
+    m_reps = (BM + 15) // 16
+    n_reps = (num_warps + m_reps - 1) // m_reps
+    widest = max(BN // n_reps, 8)
+    n = 256
+    while n > widest or BN % n != 0:
+        n -= 8
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@constexpr_function
+def _tile_n(b_block, B_KN):
+    """BN from B's TMA box: [BK, BN] when B is row-major [K, N], else [BN, BK]."""
+    return b_block[1] if B_KN else b_block[0]
+
+
+@gluon.jit
+def schedule(M, N, BM: gl.constexpr, BN: gl.constexpr, C: gl.constexpr):
+    """(first work item, stride, item count) of this program. Items are tiles (C = 1) or row blocks."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    if C == 1:
+        return pid, nprog, gl.cdiv(M, BM) * gl.cdiv(N, BN)
+    else:
+        return pid // C, nprog // C, gl.cdiv(M, BM)
+
+
+@gluon.jit
+def coords(item, N, BN: gl.constexpr, C: gl.constexpr):
+    """(row block, N tile) of a work item."""
+    if C == 1:
+        n_tiles = gl.cdiv(N, BN)
+        pm = item // n_tiles
+        return pm, item - pm * n_tiles
+    else:
+        return item, gl.program_id(0) % C
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C: gl.constexpr, SYNC: gl.constexpr,
+            B_KN: gl.constexpr):
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = _tile_n(b_desc.block_type.shape, B_KN)
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    first, step, items = schedule(M, N, BM, BN, C)
+    k_tiles = gl.cdiv(K, BK)
+    c = 0
+    j = 0
+    for item in range(first, items, step):
+        pm, pn = coords(item, N, BN, C)
+        for kk in range(k_tiles):
+            s = c % NUM_STAGES
+            # a fresh mbarrier counts as having completed the phase before phase 0: the first lap passes
+            mbarrier.wait(empty.index(s), ((c // NUM_STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma_load(a_desc, [pm * BM, kk * BK], bar, a_bufs.index(s))
+            if B_KN:
+                tma_load(b_desc, [kk * BK, pn * BN], bar, b_bufs.index(s))
+            else:
+                tma_load(b_desc, [pn * BN, kk * BK], bar, b_bufs.index(s))
+            c += 1
+        if SYNC:
+            # one arrival per row block, as the consumers' epilogue makes; PTX wants arrive / wait alternating
+            if j > 0:
+                cluster_wait()
+            cluster_arrive()
+        j += 1
+    if SYNC:
+        if j > 0:
+            cluster_wait()
+
+
+@gluon.jit
+def _mainloop(a_bufs, b_bufs, ready, empty, c0, k_tiles, acc, B_KN: gl.constexpr):
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    for kk in range(k_tiles):
+        c = c0 + kk
+        s = c % NUM_STAGES
+        mbarrier.wait(ready.index(s), (c // NUM_STAGES) & 1)
+        if B_KN:
+            b = b_bufs.index(s)
+        else:
+            b = b_bufs.index(s).permute((1, 0))
+        acc = warpgroup_mma(a_bufs.index(s), b, acc, use_acc=kk > 0, is_async=True)
+        # at most one wgmma in flight: the previous step's stage is free again
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+        mbarrier.arrive(empty.index((c + NUM_STAGES - 1) % NUM_STAGES), pred=kk > 0)
+    return acc
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE: gl.constexpr, eargs,
+              FLAGS: gl.constexpr, C: gl.constexpr, CID: gl.constexpr, NCONS: gl.constexpr, NUM_OUT: gl.constexpr, B_KN: gl.constexpr,
+              WARPS: gl.constexpr):
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = c_bufs.type.shape[2]
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    layout: gl.constexpr = mma_layout(BM, BN, WARPS)
+    first, step, items = schedule(M, N, BM, BN, C)
+    k_tiles = gl.cdiv(K, BK)
+    mine = gl.maximum(items - first + step - 1, 0) // step
+    j = 0
+    for i in range(CID, mine, NCONS):
+        pm, pn = coords(first + i * step, N, BN, C)
+        c0 = i * k_tiles
+        # a fresh accumulator per tile: a loop-carried one would stay live through the epilogue, doubling
+        # its registers there (the first wgmma ignores it: use_acc=False)
+        acc = gl.zeros([BM, BN], gl.float32, layout=layout)
+        if NCONS > 1:
+            # take the MMA turn: consumer 0 first, then strictly alternating
+            mbarrier.wait(order.index(CID), (j + 1 - CID) & 1)
+        acc = _mainloop(a_bufs, b_bufs, ready, empty, c0, k_tiles, acc, B_KN)
+        if NCONS > 1:
+            mbarrier.arrive(order.index(1 - CID))
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index((c0 + k_tiles - 1) % NUM_STAGES))
+        EPILOGUE(acc, pm * BM, pn * BN, pn, c_bufs, CID * NUM_OUT, epi_bar.index(CID), j, eargs, FLAGS, M, N, layout)
+        j += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def gemm_ws(a_desc, b_desc, out_desc, M, N, K, EPILOGUE: gl.constexpr, eargs, FLAGS: gl.constexpr,
+            NUM_OUT: gl.constexpr,
+            SYNC: gl.constexpr, NUM_STAGES: gl.constexpr, C: gl.constexpr, NCONS: gl.constexpr,
+            B_KN: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+            num_warps: gl.constexpr):
+    """Allocate the ring and staging tiles and run the partitions (module docstring). ``out_desc`` gives the
+    staging tiles' shape, dtype and layout: [BM, BN] of the epilogue's TMA-stored outputs."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    dtype: gl.constexpr = a_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [NCONS * NUM_OUT] + out_desc.block_type.shape,
+                                       out_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    epi_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(order.index(i), count=1)
+        mbarrier.init(epi_bar.index(i), count=1)
+    loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C, SYNC, B_KN)
+    if NCONS == 1:
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE, eargs, FLAGS, C, 0, 1, NUM_OUT,
+                         B_KN, num_warps)),
+            (_loader, loader_args),
+        ], [LOAD_WARPS], [LOAD_REGS])
+    else:
+        gl.static_assert(num_warps == 4, "ping-pong consumers are one warpgroup each")
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE, eargs, FLAGS, C, 0, 2, NUM_OUT,
+                         B_KN, 4)),
+            (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE, eargs, FLAGS, C, 1, 2, NUM_OUT,
+                         B_KN, 4)),
+            (_loader, loader_args),
+        ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])

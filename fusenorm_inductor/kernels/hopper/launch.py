@@ -1,0 +1,126 @@
+"""Launching the Gluon kernels: compiled-kernel lookup, thread-block clusters, register budgets.
+
+Clusters from Gluon on triton 3.6: the kernel is compiled as usual (num_ctas = 1, ordinary layouts) and its
+compiled form is told to launch in clusters of C CTAs by setting the cluster size in its packed launch
+metadata; triton's launcher then calls cuLaunchKernelEx with clusterDim = (C, 1, 1) and gridDim.x = grid * C
+(it sets the non-portable-size attribute for C = 16 itself). Every launch goes through ``launch`` here, which
+asks the JIT for the compiled kernel of these exact arguments (``warmup``: the specialization the JIT would
+pick) and runs that object, so a kernel can never be launched without its cluster size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Optional
+
+import torch
+
+# Clusters the hardware launches: up to 8 CTAs portably, 16 with the non-portable attribute (triton's
+# launcher sets it only for exactly 16).
+CLUSTER_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16)
+
+SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KiB)
+_BARRIER_BYTES = 256  # the mbarriers, rounded up
+
+
+def padded_warps(warps: int) -> int:
+    """Warp-specialized partitions are padded to whole warpgroups."""
+    return -(-warps // 4) * 4
+
+
+def maxnreg(total_warps: int) -> int:
+    """The per-thread register cap that lets total_warps warps fit the SM's 64K registers (a multiple of 8,
+    at most 240: setmaxnreg later moves registers from the loader to the consumers)."""
+    return min(240, (65536 // (32 * total_warps)) // 8 * 8)
+
+
+def smem_bytes(bm: int, bn: int, bk: int, stages: int, staging_tiles: int, elem: int = 2) -> int:
+    return stages * (bm + bn) * bk * elem + staging_tiles * bm * bn * elem + _BARRIER_BYTES
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+        ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint),
+    ]
+
+
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+_CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 16
+
+
+def max_active_clusters(compiled, cluster: int, index: int) -> int:
+    """How many clusters of this kernel can be resident at once (cuOccupancyMaxActiveClusters); the SM count
+    over the cluster size when the driver cannot say."""
+    fallback = max(1, num_sms(index) // cluster)
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        if cluster == 16:
+            lib.cuFuncSetAttribute(ctypes.c_void_p(compiled.function),
+                                   _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        attr = _LaunchAttribute()
+        attr.id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value[0], attr.value[1], attr.value[2] = cluster, 1, 1
+        cfg = _LaunchConfig()
+        cfg.grid[:] = [cluster * 64, 1, 1]
+        cfg.block[:] = [32 * compiled.metadata.num_warps, 1, 1]
+        cfg.shared = compiled.metadata.shared
+        cfg.attrs = ctypes.pointer(attr)
+        cfg.num_attrs = 1
+        out = ctypes.c_int(0)
+        err = lib.cuOccupancyMaxActiveClusters(ctypes.byref(out), ctypes.c_void_p(compiled.function),
+                                               ctypes.byref(cfg))
+        return out.value if err == 0 and out.value > 0 else fallback
+    except Exception:  # noqa: BLE001 - an occupancy query is advice, never a failure
+        return fallback
+
+
+def _set_cluster(compiled, cluster: int) -> None:
+    compiled._init_handles()
+    warps, _, shared = compiled.packed_metadata
+    compiled.packed_metadata = (warps, cluster, shared)
+
+
+def compiled_kernel(kernel, args: tuple, cluster: int, **options):
+    """The JIT's compiled kernel for these arguments (compiling on first use), set to launch in clusters."""
+    compiled = kernel.warmup(*args, grid=(1,), **options)
+    if hasattr(compiled, "result"):
+        compiled = compiled.result()
+    if compiled.packed_metadata[1] != cluster:
+        _set_cluster(compiled, cluster)
+    else:
+        compiled._init_handles()
+    return compiled
+
+
+def launch(kernel, grid: int, args: tuple, cluster: int = 1, **options) -> None:
+    """Run ``kernel`` (a gluon.jit function) on ``grid`` programs (clusters when cluster > 1) with ``args``,
+    every parameter in order (constexprs included). ``options``: num_warps, maxnreg."""
+    compiled = compiled_kernel(kernel, args, cluster, **options)
+    stream = torch.cuda.current_stream().cuda_stream
+    compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+
+
+def cluster_grid(kernel, args: tuple, cluster: int, work: int, **options) -> int:
+    """Clusters to launch for ``work`` row blocks: all that fit at once (persistent), at most one per block."""
+    compiled = compiled_kernel(kernel, args, cluster, **options)
+    index = torch.cuda.current_device()
+    return max(1, min(work, max_active_clusters(compiled, cluster, index)))
+
+
+def device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def capability(t: torch.Tensor) -> Optional[tuple]:
+    return torch.cuda.get_device_capability(t.device) if t.device.type == "cuda" else None

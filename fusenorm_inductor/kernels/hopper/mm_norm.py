@@ -1,0 +1,437 @@
+"""Post-norm forward on the Hopper GEMM core: ``y = norm(a @ b + bias + residual)`` (``fusenorm::mm_norm``).
+
+Semantics are ``mm_norm_reference``'s (ops/mm_norm.py): fp32 accumulation, bias and residual added in fp32,
+fp32 statistics, y rounded once to its dtype, hh (the normalized row before the affine, written when
+``save_normed``) once to the pre-norm dtype; mean (LayerNorm) and rstd [M] fp32 for the backward. The
+pre-norm tensor is never written.
+
+The epilogue (``_mm_norm_epilogue``) takes the accumulator tile from the core (gemm_core.py):
+- whole row in the tile (N <= 256, schedule C = 1): statistics in registers, two-pass for LayerNorm (the
+  centred sum of squares, accurate at |mean| >> std), normalize, affine, TMA-store y (and hh);
+- rows over C tiles (C > 1, the cluster schedule): each CTA reduces its own tile (RMSNorm: sum of squares;
+  LayerNorm: the tile mean and centred M2), writes the per-row partials to a small fp32 scratch [M, C],
+  crosses the hardware cluster barrier, reads the C partials of its rows back from L2 and combines them
+  (LayerNorm: Chan's pairwise formula, exact in any order), then normalizes its own registers. Nothing but
+  the partials leaves the SMs before the output.
+``NORM = False`` makes it the plain epilogue (y = a @ b + bias + residual): the benchmark's GEMM base.
+
+Launcher: ``unsupported`` says why an input cannot take this path (the dispatch then keeps the ``tl`` or
+reference path and the report says so); ``candidates`` lists the configurations worth timing for a shape;
+``mm_norm_gluon`` runs one into the caller's output buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import launch as L
+from ._compat import GLUON_ERROR, TensorDescriptor, cluster_arrive, cluster_wait, gl, gluon, mbarrier, tma, tma_load
+from .epilogues import load_vector, stage_store, tile_index
+from .gemm_core import gemm_ws
+
+# Kinds of GemmConfig (ops/_triton_common.py) this module runs; the cluster size is cdiv(N, block_n).
+KINDS = ("gl_coop", "gl_pp", "gl_cluster")
+MAX_TILE_N = 256  # the widest wgmma instruction and TMA box
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _row_stats_exchange(h, cols, cmask, rows, rmask, rank, N, p1_ptr, p2_ptr, eps, BN: gl.constexpr,
+                        C: gl.constexpr, IS_RMS: gl.constexpr, EVEN_N: gl.constexpr):
+    """(hh, mean, rstd) of rows spread over the C CTAs of a cluster: publish this tile's per-row partials,
+    cluster barrier, combine all C from L2 (``.cg``: past this SM's L1, which may hold stale lines)."""
+    slot = rows * C
+    if IS_RMS:
+        gl.store(p1_ptr + slot + rank, gl.sum(h * h, axis=1), mask=rmask)
+    else:
+        n_here = gl.minimum(N - rank * BN, BN).to(gl.float32)
+        t_mean = gl.sum(h, axis=1) / n_here
+        d = h - gl.expand_dims(t_mean, 1)
+        if not EVEN_N:
+            d = gl.where(gl.expand_dims(cmask, 0), d, 0.0)
+        gl.store(p1_ptr + slot + rank, t_mean, mask=rmask)
+        gl.store(p2_ptr + slot + rank, gl.sum(d * d, axis=1), mask=rmask)
+    cluster_arrive()
+    tma.store_wait(0)  # this CTA's previous stores drain while its peers arrive
+    cluster_wait()
+    if IS_RMS:
+        ss = gl.load(p1_ptr + slot, mask=rmask, other=0.0, cache_modifier=".cg")
+        for r in gl.static_range(1, C):
+            ss += gl.load(p1_ptr + slot + r, mask=rmask, other=0.0, cache_modifier=".cg")
+        rstd = gl.rsqrt(ss / N + eps)
+        return h * gl.expand_dims(rstd, 1), rstd, rstd
+    else:
+        # Chan et al.: merge (count, mean, M2) pairwise; tile r has min(N - r*BN, BN) columns
+        cnt = gl.minimum(N, BN).to(gl.float32)
+        mean = gl.load(p1_ptr + slot, mask=rmask, other=0.0, cache_modifier=".cg")
+        m2 = gl.load(p2_ptr + slot, mask=rmask, other=0.0, cache_modifier=".cg")
+        for r in gl.static_range(1, C):
+            n_r = gl.minimum(N - r * BN, BN).to(gl.float32)
+            mean_r = gl.load(p1_ptr + slot + r, mask=rmask, other=0.0, cache_modifier=".cg")
+            m2_r = gl.load(p2_ptr + slot + r, mask=rmask, other=0.0, cache_modifier=".cg")
+            tot = cnt + n_r
+            delta = mean_r - mean
+            mean = mean + delta * (n_r / tot)
+            m2 = m2 + m2_r + delta * delta * (cnt * n_r / tot)
+            cnt = tot
+        rstd = gl.rsqrt(m2 / N + eps)
+        # h - mean = (h - tile mean) + (tile mean - mean): the centred d keeps its precision
+        hh = (d + gl.expand_dims(t_mean - mean, 1)) * gl.expand_dims(rstd, 1)
+        return hh, mean, rstd
+
+
+@gluon.jit
+def _mm_norm_epilogue(acc, off_m, off_n, rank, c_bufs, buf0: gl.constexpr, epi_bar, it, eargs,
+                      FLAGS: gl.constexpr, M, N, layout: gl.constexpr):
+    y_desc = eargs[0]
+    hh_desc = eargs[1]
+    bias_ptr = eargs[2]
+    res_desc = eargs[3]
+    w_ptr = eargs[4]
+    nb_ptr = eargs[5]
+    mean_ptr = eargs[6]
+    rstd_ptr = eargs[7]
+    p1_ptr = eargs[8]
+    p2_ptr = eargs[9]
+    eps = eargs[10]
+    HAS_BIAS: gl.constexpr = (FLAGS & 1) != 0
+    HAS_RES: gl.constexpr = (FLAGS & 2) != 0
+    HAS_W: gl.constexpr = (FLAGS & 4) != 0
+    HAS_NB: gl.constexpr = (FLAGS & 8) != 0
+    IS_RMS: gl.constexpr = (FLAGS & 16) != 0
+    SAVE_NORMED: gl.constexpr = (FLAGS & 32) != 0
+    NORM: gl.constexpr = (FLAGS & 64) != 0
+    EVEN_N: gl.constexpr = (FLAGS & 128) != 0
+    C: gl.constexpr = FLAGS >> 8
+    BM: gl.constexpr = c_bufs.type.shape[1]
+    BN: gl.constexpr = c_bufs.type.shape[2]
+    rows, cols, rmask, cmask = tile_index(off_m, off_n, M, N, BM, BN, layout)
+    h = acc
+    if HAS_BIAS:
+        h = h + load_vector(bias_ptr, cols)
+    if HAS_RES:
+        # through y's staging tile by TMA (zero-filled out of bounds), once its previous store has left
+        buf = c_bufs.index(buf0)
+        tma.store_wait(0)
+        mbarrier.expect(epi_bar, res_desc.block_type.nbytes)
+        tma_load(res_desc, [off_m, off_n], epi_bar, buf)
+        mbarrier.wait(epi_bar, it & 1)
+        h = h + buf.load(layout).to(gl.float32)
+        gl.thread_barrier()  # every thread has read the tile before any stages y into it
+    if NORM:
+        if C == 1:
+            if IS_RMS:
+                rstd = gl.rsqrt(gl.sum(h * h, axis=1) / N + eps)
+                mean = rstd
+                hh = h * gl.expand_dims(rstd, 1)
+            else:
+                mean = gl.sum(h, axis=1) / N
+                d = h - gl.expand_dims(mean, 1)
+                if not EVEN_N:
+                    d = gl.where(gl.expand_dims(cmask, 0), d, 0.0)
+                rstd = gl.rsqrt(gl.sum(d * d, axis=1) / N + eps)
+                hh = d * gl.expand_dims(rstd, 1)
+        else:
+            hh, mean, rstd = _row_stats_exchange(h, cols, cmask, rows, rmask, rank, N, p1_ptr, p2_ptr, eps, BN, C,
+                                                 IS_RMS, EVEN_N)
+        first = rmask & (rank == 0)  # one CTA of a cluster writes the row statistics
+        gl.store(rstd_ptr + rows, rstd, mask=first)
+        if not IS_RMS:
+            gl.store(mean_ptr + rows, mean, mask=first)
+        if C == 1:
+            tma.store_wait(0)  # the staging tiles' previous stores (the cluster path waited above)
+        # hh leaves before y is formed, so the two [BM, BN] tiles are never live at once (registers)
+        if SAVE_NORMED:
+            stage_store(hh, hh_desc, c_bufs.index(buf0 + 1), off_m, off_n)
+        if HAS_W:
+            hh = hh * load_vector(w_ptr, cols)
+        if HAS_NB:
+            hh = hh + load_vector(nb_ptr, cols)
+        stage_store(hh, y_desc, c_bufs.index(buf0), off_m, off_n)
+    else:
+        tma.store_wait(0)
+        stage_store(h, y_desc, c_bufs.index(buf0), off_m, off_n)
+
+
+@gluon.jit
+def mm_norm_kernel(a_desc, b_desc, y_desc, hh_desc, res_desc, bias_ptr, w_ptr, nb_ptr, mean_ptr, rstd_ptr, p1_ptr,
+                   p2_ptr, M, N, K, eps,
+                   HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, HAS_W: gl.constexpr, HAS_NB: gl.constexpr,
+                   IS_RMS: gl.constexpr, SAVE_NORMED: gl.constexpr, NORM: gl.constexpr, EVEN_N: gl.constexpr,
+                   NUM_OUT: gl.constexpr,
+                   SYNC: gl.constexpr, NUM_STAGES: gl.constexpr, C: gl.constexpr, NCONS: gl.constexpr,
+                   B_KN: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+                   num_warps: gl.constexpr):
+    eargs = (y_desc, hh_desc, bias_ptr, res_desc, w_ptr, nb_ptr, mean_ptr, rstd_ptr, p1_ptr, p2_ptr, eps)
+    FLAGS: gl.constexpr = (HAS_BIAS * 1 + HAS_RES * 2 + HAS_W * 4 + HAS_NB * 8 + IS_RMS * 16 + SAVE_NORMED * 32
+                           + NORM * 64 + EVEN_N * 128 + C * 256)
+    gemm_ws(a_desc, b_desc, y_desc, M, N, K, _mm_norm_epilogue, eargs, FLAGS, NUM_OUT, SYNC, NUM_STAGES, C, NCONS, B_KN,
+            LOAD_WARPS, LOAD_REGS, MMA_REGS, num_warps)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------------------
+
+
+def b_layout(a: Tensor, b: Tensor) -> Optional[str]:
+    """How TMA reads b [K, N]: "nk" when b = W.t() of a row-major W [N, K], "kn" when b is row-major."""
+    k, n = b.shape
+    if b.stride() == (1, k) or (n == 1 and b.stride(0) == 1):
+        return "nk"
+    if b.stride() == (n, 1) or (k == 1 and b.stride(1) == 1):
+        return "kn"
+    return None
+
+
+def _tma_ok(t: Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed) -> Optional[str]:
+    """Why these inputs cannot run on this path (None when they can). Checks only what fake tensors carry
+    besides alignment of real storage."""
+    if GLUON_ERROR is not None:
+        return f"this triton has no usable Gluon ({GLUON_ERROR})"
+    if a.device.type != "cuda":
+        return "not on CUDA"
+    if torch.cuda.get_device_capability(a.device)[0] != 9:
+        return "not an sm_90 GPU"
+    if a.dtype not in (torch.float16, torch.bfloat16):
+        return f"{a.dtype} operands (TMA/wgmma path: fp16/bf16)"
+    m, k = a.shape
+    n = b.shape[1]
+    if k % 8 or n % 8:
+        return f"K={k} or N={n} not a multiple of 8 (TMA rows must be 16-byte aligned)"
+    if a.stride() != (k, 1):
+        return "a is not row-major contiguous"
+    if b_layout(a, b) is None:
+        return "b is neither W.t() of a row-major W nor row-major"
+    if (out_dtype or a.dtype) != a.dtype:
+        return f"output dtype {out_dtype} differs from the operands'"
+    if residual is not None and (residual.dtype != a.dtype or residual.stride(1) != 1):
+        return "residual not in the operands' dtype with unit column stride"
+    if residual is not None and not isinstance(residual, torch._subclasses.FakeTensor) and not _tma_ok(residual):
+        return "residual's storage is not 16-byte aligned"
+    if bias is not None and bias.stride(0) != 1:
+        return "bias not contiguous"
+    for name, t in (("weight", weight), ("norm_bias", norm_bias)):
+        if t is not None and t.stride(0) != 1:
+            return f"{name} not contiguous"
+    if cluster_size(n) is None:
+        return f"N={n}: rows wider than {MAX_TILE_N} x 8 or 16 tiles are not supported on this path yet"
+    if not isinstance(a, torch._subclasses.FakeTensor):
+        for name, t in (("a", a), ("b", b.t() if b_layout(a, b) == "nk" else b)):
+            if not _tma_ok(t):
+                return f"{name}'s storage is not 16-byte aligned"
+    return None
+
+
+def pow2_tile(n: int) -> int:
+    return max(32, 1 << max(0, n - 1).bit_length())
+
+
+def cluster_size(n: int, bn: int = MAX_TILE_N) -> Optional[int]:
+    """CTAs per cluster for rows of n columns in tiles of bn (1 when a row fits one tile)."""
+    if n <= MAX_TILE_N and bn >= pow2_tile(n):
+        return 1
+    c = -(-n // bn)
+    return c if c in L.CLUSTER_SIZES else None
+
+
+def _fit(kind: str, bm: int, bn: int, bk: int, stages: int, warps: int, staging: int):
+    """The config with the most stages (down to 2) that fits shared memory; None when none does."""
+    from ...ops._triton_common import GemmConfig
+
+    for st in range(stages, 1, -1):
+        if L.smem_bytes(bm, bn, bk, st, staging) <= L.SMEM_LIMIT:
+            return GemmConfig(kind, bm, bn, bk, st, warps)
+    return None
+
+
+def candidates(a: Tensor, b: Tensor, save_normed: bool) -> list:
+    """Configurations worth timing for this shape, best guess first (short: each is timed once per shape)."""
+    k = a.shape[1]
+    n = b.shape[1]
+    bk = 64 if k >= 64 else 32
+    outs = 2 if save_normed else 1
+    out = []
+    if n <= MAX_TILE_N:
+        bn = pow2_tile(n)
+        if bn <= 128:
+            out += [_fit("gl_pp", 128, bn, bk, 6, 4, 2 * outs), _fit("gl_coop", 128, bn, bk, 6, 4, outs)]
+        else:
+            out += [_fit("gl_coop", 128, bn, bk, 4, 8, outs), _fit("gl_pp", 64, bn, bk, 4, 4, 2 * outs),
+                    _fit("gl_coop", 64, bn, bk, 4, 4, outs)]
+    else:
+        for bn in (256, 128):
+            if cluster_size(n, bn) is not None:
+                bm, warps = (128, 8) if bn == 256 else (128, 4)
+                cfg = _fit("gl_cluster", bm, bn, bk, 4, warps, outs)
+                if cfg is None or cfg.stages < 3:
+                    cfg = _fit("gl_cluster", 64, bn, bk, 4, 4, outs)
+                out.append(cfg)
+    return [c for c in out if c is not None and c.stages >= 2]
+
+
+def _descriptor(t: Tensor, block: list):
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def _padded(v: Optional[Tensor], bn: int) -> Optional[Tensor]:
+    """A per-column vector zero-padded to whole tiles: the epilogue loads it without a column mask (a mask
+    over the BN / 4 columns each thread holds costs the registers the epilogue does not have)."""
+    if v is None or v.shape[0] % bn == 0:
+        return v
+    return torch.nn.functional.pad(v, (0, bn - v.shape[0] % bn))
+
+
+def kernel_args(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_normed, y, hh, mean, rstd, p1, p2,
+                config, gemm_only: bool) -> tuple:
+    """Every parameter of ``mm_norm_kernel`` in order, and the launch options."""
+    m, k = a.shape
+    n = b.shape[1]
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    kn = b_layout(a, b) == "kn"
+    c = cluster_size(n, bn) if config.kind == "gl_cluster" else 1
+    ncons = 2 if config.kind == "gl_pp" else 1
+    norm = not gemm_only
+    sync = norm and c > 1
+    load_warps = 4 if sync else 1
+    consumer_warps = 4 if ncons == 2 else config.warps
+    total = L.padded_warps(load_warps) + consumer_warps * ncons
+    save = save_normed and norm
+    any_ = y  # stands in for absent optional pointers (never read: the flags say so)
+    bias, weight, norm_bias = (_padded(t, bn) for t in (bias, weight, norm_bias))
+    args = (
+        _descriptor(a, [bm, bk]),
+        _descriptor(b, [bk, bn]) if kn else _descriptor(b.t(), [bn, bk]),
+        _descriptor(y, [bm, bn]),
+        _descriptor(hh, [bm, bn]) if save else _descriptor(y, [bm, bn]),
+        _descriptor(residual, [bm, bn]) if residual is not None else _descriptor(y, [bm, bn]),
+        bias if bias is not None else any_, weight if weight is not None else any_,
+        norm_bias if norm_bias is not None else any_, mean if mean.numel() else rstd, rstd, p1, p2,
+        m, n, k, float(eps),
+        bias is not None, residual is not None, weight is not None, norm_bias is not None, bool(is_rms), save, norm,
+        n % bn == 0, 2 if save else 1, sync, config.stages, c, ncons, kn, load_warps, 40, 232, consumer_warps if ncons == 1 else 4,
+    )
+    return args, dict(num_warps=consumer_warps if ncons == 1 else 4, maxnreg=L.maxnreg(total)), c
+
+
+def mm_norm_gluon(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_normed, y, hh, mean, rstd, config,
+                  gemm_only: bool, alloc) -> None:
+    """Write (y, hh, mean, rstd) of ``mm_norm_reference`` with ``config`` (one of ``candidates``) into the
+    given buffers; ``alloc(shape, dtype)`` makes the partials scratch of the cluster path."""
+    m = a.shape[0]
+    n = b.shape[1]
+    c = cluster_size(n, config.block_n) if config.kind == "gl_cluster" else 1
+    if c is None:
+        raise ValueError(f"{config.label()}: N={n} needs an unsupported cluster size")
+    if c > 1 and not gemm_only:
+        p1 = alloc((m, c), torch.float32)
+        p2 = alloc((m, c), torch.float32) if not is_rms else p1
+    else:
+        p1 = p2 = rstd
+    args, options, c = kernel_args(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_normed, y, hh, mean,
+                                   rstd, p1, p2, config, gemm_only)
+    row_blocks = -(-m // config.block_m)
+    if c == 1:
+        tiles = row_blocks * -(-n // config.block_n)
+        grid = min(tiles, L.num_sms(L.device_index(a)))
+    else:
+        grid = L.cluster_grid(mm_norm_kernel, args, c, row_blocks, **options)
+    L.launch(mm_norm_kernel, grid, args, c, **options)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Offline compile (CPU tests, CI): every specialization the dispatch can launch, without a GPU
+# ----------------------------------------------------------------------------------------------------------
+
+_PARAMS = (
+    "a_desc", "b_desc", "y_desc", "hh_desc", "res_desc", "bias_ptr", "w_ptr", "nb_ptr", "mean_ptr", "rstd_ptr",
+    "p1_ptr", "p2_ptr", "M", "N", "K", "eps", "HAS_BIAS", "HAS_RES", "HAS_W", "HAS_NB", "IS_RMS",
+    "SAVE_NORMED", "NORM", "EVEN_N", "NUM_OUT", "SYNC", "NUM_STAGES", "C", "NCONS", "B_KN", "LOAD_WARPS", "LOAD_REGS",
+    "MMA_REGS", "num_warps",
+)
+
+
+def compile_offline(config, n: int, k: int, *, is_rms: bool, affine: bool, bias: bool, residual: bool,
+                    save_normed: bool, gemm_only: bool = False, b_kn: bool = False):
+    """Compile the kernel ``mm_norm_gluon`` would launch for this config and flags, for sm_90a, on the CPU
+    (``offline.compile_sm90``; bf16, no GPU needed). Returns its ``offline.Compiled``."""
+    from .offline import compile_sm90, descriptor_type
+
+    class _Fake:  # just what kernel_args reads of the tensors when building a signature
+        pass
+
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    c = cluster_size(n, bn) if config.kind == "gl_cluster" else 1
+    ncons = 2 if config.kind == "gl_pp" else 1
+    norm = not gemm_only
+    sync = norm and c > 1
+    load_warps = 4 if sync else 1
+    warps = 4 if ncons == 2 else config.warps
+    save = save_normed and norm
+    values = dict(
+        a_desc=descriptor_type([bm, bk]), b_desc=descriptor_type([bk, bn] if b_kn else [bn, bk]),
+        y_desc=descriptor_type([bm, bn]), hh_desc=descriptor_type([bm, bn]), res_desc=descriptor_type([bm, bn]),
+        bias_ptr="*bf16", w_ptr="*bf16", nb_ptr="*bf16", mean_ptr="*fp32", rstd_ptr="*fp32",
+        p1_ptr="*fp32", p2_ptr="*fp32", M="i32", N="i32", K="i32", eps="fp32",
+    )
+    constexprs = dict(
+        HAS_BIAS=bias, HAS_RES=residual, HAS_W=affine, HAS_NB=affine and not is_rms, IS_RMS=is_rms, SAVE_NORMED=save,
+        NORM=norm, EVEN_N=n % bn == 0, NUM_OUT=2 if save else 1, SYNC=sync, NUM_STAGES=config.stages, C=c, NCONS=ncons, B_KN=b_kn,
+        LOAD_WARPS=load_warps, LOAD_REGS=40, MMA_REGS=232, num_warps=warps,
+    )
+    signature = {p: values.get(p, "constexpr") for p in _PARAMS}
+    total = L.padded_warps(load_warps) + warps * ncons
+    return compile_sm90(mm_norm_kernel, signature, constexprs, warps, L.maxnreg(total))
+
+
+OFFLINE_NS = (40, 64, 96, 128, 200, 256, 320, 512, 1000, 1024, 2048, 4096)
+OFFLINE_KS = (40, 512)
+OFFLINE_FLAGS = {
+    # the most registers and shared memory: LayerNorm with every input and hh saved
+    "ln_full": dict(is_rms=False, affine=True, bias=True, residual=True),
+    "rms_full": dict(is_rms=True, affine=True, bias=True, residual=True),
+    "ln_bare": dict(is_rms=False, affine=False, bias=False, residual=False),
+}
+
+
+def offline_variants() -> list[dict]:
+    """Every distinct specialization ``candidates`` produces over a grid of N, K and save_normed, with the
+    epilogue's heaviest and lightest flag sets, plus the plain-epilogue GEMM base (B row-major): what the
+    CPU compile test builds."""
+    seen = {}
+    for n in OFFLINE_NS:
+        for k in OFFLINE_KS:
+            a = torch.empty((1024, k), device="meta", dtype=torch.bfloat16)
+            b = torch.empty((k, n), device="meta", dtype=torch.bfloat16)
+            for save in (False, True):
+                for cfg in candidates(a, b, save):
+                    c = cluster_size(n, cfg.block_n) if cfg.kind == "gl_cluster" else 1
+                    seen.setdefault((cfg, c, n % cfg.block_n == 0, save), (cfg, n, save))
+    out = []
+    for cfg, n, save in seen.values():
+        for name, flags in OFFLINE_FLAGS.items():
+            out.append(dict(config=list(cfg), n=n, flags=name, save_normed=save and flags["affine"], gemm_only=False,
+                            b_kn=False))
+        if not save:
+            out.append(dict(config=list(cfg), n=n, flags="ln_bare", save_normed=False, gemm_only=True, b_kn=True))
+    return out
+
+
+def compile_variant(v: dict):
+    from ...ops._triton_common import GemmConfig
+
+    return compile_offline(GemmConfig(*v["config"]), v["n"], 512, save_normed=v["save_normed"],
+                           gemm_only=v["gemm_only"], b_kn=v["b_kn"], **OFFLINE_FLAGS[v["flags"]])

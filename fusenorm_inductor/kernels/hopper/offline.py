@@ -1,0 +1,105 @@
+"""Compile the Hopper kernels for sm_90a without a GPU (``triton.compile`` with a CUDA target): what the CPU
+test suite and CI run, since Gluon has no interpreter. Reports registers, spills and shared memory."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+from ._compat import gl
+
+SM90 = ("cuda", 90, 32)
+
+
+@dataclass
+class Compiled:
+    name: str
+    registers: int
+    spill_bytes: int  # local memory per thread (stack frame + spill stores): 0 when nothing spills
+    shared: int
+    ptx: str
+
+
+def _triton_type(v) -> str:
+    if isinstance(v, bool):
+        return "constexpr"
+    if isinstance(v, int):
+        return "i32"
+    if isinstance(v, float):
+        return "fp32"
+    return str(v)
+
+
+def descriptor_type(block: list, dtype: str = "bf16") -> str:
+    """The signature type of a host TMA descriptor of a 16-bit tensor with this box."""
+    gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
+    return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{layout!r}>"
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, maxnreg: int) -> Compiled:
+    """Compile gluon.jit ``fn`` for sm_90a. ``signature``: parameter -> triton type (constexprs included as
+    "constexpr"); returns its resource usage as ptxas reports it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    src = GluonASTSource(fn, signature, constexprs=constexprs)
+    k = triton.compile(src, target=GPUTarget(*SM90), options={"num_warps": num_warps, "maxnreg": maxnreg})
+    usage = _resource_usage(k.asm["cubin"])
+    return Compiled(k.metadata.name, usage["REG"], usage["LOCAL"] + usage["STACK"], k.metadata.shared,
+                    k.asm["ptx"])
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    if m is None:
+        raise RuntimeError(f"cuobjdump printed no resource usage: {out[-300:]}")
+    return {k: int(v) for k, v in zip(("REG", "STACK", "SHARED", "LOCAL"), m.groups())}
+
+
+def _compile_one(v: dict) -> dict:
+    from . import mm_norm
+
+    try:
+        c = mm_norm.compile_variant(v)
+        return dict(v, ok=True, registers=c.registers, spill_bytes=c.spill_bytes, shared=c.shared,
+                    cluster_barrier="barrier.cluster.arrive" in c.ptx and "barrier.cluster.wait" in c.ptx)
+    except Exception as e:  # noqa: BLE001 - reported per variant
+        return dict(v, ok=False, error=f"{type(e).__name__}: {str(e)[-2000:]}")
+
+
+def main(argv=None) -> int:
+    """``python -m fusenorm_inductor.kernels.hopper.offline [--jobs J]``: compile every variant the dispatch
+    can launch (``mm_norm.offline_variants``) for sm_90a and print one JSON object per line. Must run
+    without TRITON_INTERPRET (the interpreter replaces the jit functions the compiler needs)."""
+    import argparse
+    import json
+    from concurrent.futures import ProcessPoolExecutor
+
+    from . import mm_norm
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: the sm_90 compile needs the real compiler")
+    variants = mm_norm.offline_variants()
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for res in pool.map(_compile_one, variants):
+            print(json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""Every Gluon kernel variant the dispatch can launch compiles for sm_90a, without spills, within shared memory.
+
+Gluon has no interpreter, so the CPU suite (and CI) compiles each specialization ``mm_norm``'s dispatch can
+pick (``kernels/hopper/mm_norm.offline_variants``: ``candidates`` over a grid of N, K and save_normed, with
+the epilogue's heaviest and lightest flag sets, and the plain-epilogue GEMM base) with ``triton.compile`` for
+a CUDA target: API drift in a newer triton, register spills and shared-memory overflows fail here before any
+GPU sees them. Numerics are checked on the H200 (test_gluon_mm_norm.py).
+
+The compile runs in a subprocess without TRITON_INTERPRET (conftest sets it on CPU machines, and the
+interpreter replaces the jit functions the compiler needs).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from fusenorm_inductor.kernels.hopper import _compat  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not _compat.available(), reason=f"no usable Gluon: {_compat.GLUON_ERROR}")
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusenorm_inductor.kernels.hopper.offline", "--jobs", str(min(4, os.cpu_count() or 1))],
+        capture_output=True, text=True, env=env, timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def _label(v):
+    from fusenorm_inductor.ops._triton_common import GemmConfig
+
+    base = " gemm-base" if v["gemm_only"] else ""
+    return f"{GemmConfig(*v['config']).label()} N={v['n']} {v['flags']} save={v['save_normed']}{base}"
+
+
+def test_every_path_is_compiled(compiled):
+    kinds = {v["config"][0] for v in compiled}
+    assert kinds == {"gl_coop", "gl_pp", "gl_cluster"}, kinds
+    clusters = {v["n"] for v in compiled if v["config"][0] == "gl_cluster"}
+    assert {320, 1000, 2048, 4096} <= clusters, clusters
+    assert any(v["gemm_only"] for v in compiled) and any(v["save_normed"] for v in compiled)
+
+
+def test_all_compile_without_spills(compiled):
+    from fusenorm_inductor.kernels.hopper.launch import SMEM_LIMIT
+
+    bad = []
+    for v in compiled:
+        if not v["ok"]:
+            bad.append(f"{_label(v)}: {v['error']}")
+        elif v["spill_bytes"]:
+            bad.append(f"{_label(v)}: {v['spill_bytes']} bytes of local memory per thread (spills)")
+        elif v["shared"] > SMEM_LIMIT:
+            bad.append(f"{_label(v)}: {v['shared']} bytes of shared memory > {SMEM_LIMIT}")
+    assert not bad, "\n".join(bad)
+
+
+def test_cluster_barrier_exactly_where_rows_are_exchanged(compiled):
+    for v in compiled:
+        exchanges = v["config"][0] == "gl_cluster" and not v["gemm_only"]
+        assert v["cluster_barrier"] == exchanges, _label(v)
+
+
+def test_rejects_what_this_path_cannot_take():
+    from fusenorm_inductor.kernels.hopper import mm_norm as hopper
+
+    a = torch.empty((257, 40), dtype=torch.bfloat16)
+    b = torch.empty((64, 40), dtype=torch.bfloat16).t()
+    assert "not on CUDA" in hopper.unsupported(a, b, None, None, None, None, None, False)
+    assert hopper.cluster_size(4096) == 16 and hopper.cluster_size(8192) is None and hopper.cluster_size(3000) is None

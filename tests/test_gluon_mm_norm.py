@@ -1,0 +1,131 @@
+"""The Gluon sm_90 post-norm forward (kernels/hopper/mm_norm.py) on the GPU, against the fp32 reference.
+
+Every configuration the dispatch can pick is run at odd shapes (M = 257 and 1000; N = 64, 96, 320, 1000,
+4096 over one tile or clusters of 2-16 CTAs; K = 40 and 200), with bias, residual, affine and hh (the "full"
+case, B as W.t()) and without any (the "bare" case, B row-major [K, N]); LayerNorm at |mean| / std = 1000;
+inputs the TMA path cannot take fall back to the ``tl`` path (right results, the Gluon launcher never
+called, the dispatch's reason says why). Every buffer the launcher allocates is NaN-poisoned.
+Needs an sm_90 GPU; the CPU suite compiles the same kernels (test_gluon_compile.py).
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from fusenorm_inductor.kernels.hopper import _compat  # noqa: E402
+
+from fusenorm_inductor.ops.mm_norm import mm_norm_reference  # noqa: E402
+
+from . import kernel_cases as kc  # noqa: E402
+from .kernel_cases import BF16, F16, F32, FWD_CASES, NORMS, fwd_k  # noqa: E402
+
+_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = pytest.mark.skipif(not (_SM90 and _compat.available()), reason="needs an sm_90 GPU and Gluon")
+
+TARGET = kc.Target(torch.device("cuda"), kc.CUDA_TOL)
+
+
+@pytest.fixture(autouse=True)
+def _setup(monkeypatch):
+    kc.poison_and_seed(monkeypatch)
+    kc.force_block_n(monkeypatch, None)
+
+
+@pytest.fixture
+def gluon_calls(monkeypatch):
+    """Records every configuration the Gluon launcher runs."""
+    from fusenorm_inductor.kernels.hopper import mm_norm as hopper
+
+    calls = []
+    real = hopper.mm_norm_gluon
+
+    def spy(*args, **kwargs):
+        calls.append(args[13])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hopper, "mm_norm_gluon", spy)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["full", "bare"])
+@pytest.mark.parametrize("k", [40, 200])
+@pytest.mark.parametrize("n", [64, 96, 320, 1000, 4096])
+@pytest.mark.parametrize("m", [257, 1000])
+@NORMS
+def test_every_candidate_matches_reference(m, n, k, case, is_rms, gluon_calls):
+    from fusenorm_inductor.kernels.hopper import mm_norm as hopper
+
+    args = TARGET.fwd_args(FWD_CASES[case], m, k, n, BF16, is_rms)
+    cands = hopper.candidates(args[0], args[1], args[-1])
+    assert cands and hopper.unsupported(*args[:6], args[8], args[9]) is None
+    refs = mm_norm_reference(*args)
+    for cfg in cands:
+        outs = fwd_k.mm_norm_triton(*args, config=cfg)
+        TARGET.check(outs, refs, [f"{name} [{cfg.label()}]" for name in kc.FWD_NAMES])
+    assert gluon_calls == cands
+
+
+@pytest.mark.parametrize("n", [128, 1024])
+def test_layernorm_large_mean(n, gluon_calls):
+    """|mean| / std = 1000: two-pass in the tile, Chan across a cluster's tiles."""
+    TARGET.check_layernorm_large_mean(1000, 200, n, BF16, w_max=5.0)
+    assert len(gluon_calls) == 1
+    assert (gluon_calls[0].kind == "gl_cluster") == (n > 256)
+
+
+def test_gemm_base_is_the_plain_product():
+    from fusenorm_inductor.kernels.hopper import mm_norm as hopper
+
+    a = TARGET.randn_scaled(1000, 200, BF16)
+    b = TARGET.randn(1024, 200, dtype=BF16).t()
+    ref = (a.float() @ b.float()).to(BF16)
+    for cfg in hopper.candidates(a, b, False):
+        y = fwd_k.mm_norm_triton(a, b, None, None, None, None, 1e-5, True, None, False, config=cfg, gemm_only=True)[0]
+        torch.testing.assert_close(y, ref, **kc.CUDA_TOL[BF16])
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """Same values in storage starting 2 bytes past a 16-byte boundary."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+FALLBACKS = {
+    "fp32": lambda a, b: (a.float(), b.float()),
+    "a_noncontiguous": lambda a, b: (kc.col_major(a), b),
+    "k_not_multiple_of_8": lambda a, b: (a[:, :196], b[:196]),
+    "n_not_multiple_of_8": lambda a, b: (a, b[:, :100]),
+    "a_misaligned": lambda a, b: (_misaligned(a), b),
+}
+
+
+@pytest.mark.parametrize("name", FALLBACKS)
+def test_fallbacks_are_correct_and_reported(name, gluon_calls):
+    from fusenorm_inductor.ops import tuning
+
+    a = TARGET.randn_scaled(257, 200, BF16)
+    b = TARGET.randn(128, 200, dtype=BF16).t()
+    a, b = FALLBACKS[name](a, b)
+    args = (a, b, None, None, TARGET.randn(b.shape[1]), None, 1e-5, False, None, True)
+    TARGET.check_forward(args)
+    assert gluon_calls == []
+    reason = tuning.forward_choice(*args).reason
+    assert "Gluon sm_90 path not taken" in reason, reason
+
+
+def test_custom_op_runs_gluon(gluon_calls):
+    a = TARGET.randn_scaled(1000, 512, BF16)
+    w = TARGET.randn(256, 512, dtype=BF16)
+    y, hh, mean, rstd = torch.ops.fusenorm.mm_norm(a, w.t(), None, None, None, None, 1e-6, True, None, False)
+    ref = torch.nn.functional.rms_norm((a.float() @ w.float().t()), (256,), eps=1e-6)
+    torch.testing.assert_close(y.float(), ref, atol=3e-2, rtol=2e-2)
+    assert len(gluon_calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [F16])
+def test_fp16(dtype):
+    args = TARGET.fwd_args(FWD_CASES["full"], 257, 200, 320, dtype, False)
+    TARGET.check_forward(args)
