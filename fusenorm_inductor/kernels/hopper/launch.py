@@ -104,11 +104,13 @@ def compiled_kernel(kernel, args: tuple, cluster: int, **options):
 
 
 def launch(kernel, grid: int, args: tuple, cluster: int = 1, **options) -> None:
-    """Run ``kernel`` (a gluon.jit function) on ``grid`` programs (clusters when cluster > 1) with ``args``,
-    every parameter in order (constexprs included). ``options``: num_warps, maxnreg."""
+    """Run ``kernel`` (a gluon.jit function whose last parameter is ``num_warps``) on ``grid`` programs
+    (clusters when cluster > 1) with ``args``, every other parameter in order (constexprs included).
+    ``options``: num_warps, maxnreg."""
     compiled = compiled_kernel(kernel, args, cluster, **options)
     stream = torch.cuda.current_stream().cuda_stream
-    compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+    compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
+                 options["num_warps"])
 
 
 def cluster_grid(kernel, args: tuple, cluster: int, work: int, **options) -> int:

@@ -297,7 +297,8 @@ def _padded(v: Optional[Tensor], bn: int) -> Optional[Tensor]:
 
 def kernel_args(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_normed, y, hh, mean, rstd, p1, p2,
                 config, gemm_only: bool) -> tuple:
-    """Every parameter of ``mm_norm_kernel`` in order, and the launch options."""
+    """Every parameter of ``mm_norm_kernel`` in order but the last (``num_warps``, a launch option), the
+    launch options, and the cluster size."""
     m, k = a.shape
     n = b.shape[1]
     bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -322,7 +323,7 @@ def kernel_args(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_norme
         norm_bias if norm_bias is not None else any_, mean if mean.numel() else rstd, rstd, p1, p2,
         m, n, k, float(eps),
         bias is not None, residual is not None, weight is not None, norm_bias is not None, bool(is_rms), save, norm,
-        n % bn == 0, 2 if save else 1, sync, config.stages, c, ncons, kn, load_warps, 40, 232, consumer_warps if ncons == 1 else 4,
+        n % bn == 0, 2 if save else 1, sync, config.stages, c, ncons, kn, load_warps, 40, 232,
     )
     return args, dict(num_warps=consumer_warps if ncons == 1 else 4, maxnreg=L.maxnreg(total)), c
 
