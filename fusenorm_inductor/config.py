@@ -48,6 +48,11 @@ class patterns:
     attention_block_training: bool = Config(env_name_default="FUSENORM_ATTENTION_BLOCK_TRAINING", default=False)
 
 
+# Run the post-norm forward on the Gluon sm_90 kernels (fusenorm_inductor/kernels/hopper/) where they take
+# the inputs (sm_90 GPU, a triton with the Gluon API, 16-bit TMA-aligned operands, N <= 4096). Off until
+# their numerics have passed on the H200: then the `tl` kernels run as before.
+gluon: bool = Config(env_name_default="FUSENORM_GLUON", default=False)
+
 # Let the fused kernels for rows wider than one tile (N > 256) exchange row statistics between programs
 # that wait for each other ("spin" kernels, docs/design.md). They launch at most one program per SM, so all
 # are resident on a whole GPU; a GPU partitioned below its SM count (MPS thread limits, green contexts)

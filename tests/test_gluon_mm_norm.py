@@ -28,8 +28,12 @@ TARGET = kc.Target(torch.device("cuda"), kc.CUDA_TOL)
 
 @pytest.fixture(autouse=True)
 def _setup(monkeypatch):
+    from fusenorm_inductor import config
+
     kc.poison_and_seed(monkeypatch)
     kc.force_block_n(monkeypatch, None)
+    with config.patch(gluon=True):
+        yield
 
 
 @pytest.fixture

@@ -498,6 +498,10 @@ def _scratch(y, hh, out_dtype, h_dtype, save_normed, m, n, dev) -> Tensor:
 
 def gluon_unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed) -> Optional[str]:
     """Why the Gluon sm_90 kernels (kernels/hopper/mm_norm.py) cannot take these inputs; None when they can."""
+    from .. import config
+
+    if not config.gluon:
+        return "off (config.gluon / FUSENORM_GLUON)"
     if _FORCE_BLOCK_N is not None:
         return "test hook _FORCE_BLOCK_N set"
     from ..kernels.hopper import mm_norm as hopper
@@ -570,11 +574,14 @@ def mm_norm_triton(
 
         config = forward_config(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed)
     if config.kind.startswith("gl_"):
-        from ..kernels.hopper.mm_norm import mm_norm_gluon
+        from ..kernels.hopper.mm_norm import SpillError, mm_norm_gluon
 
-        mm_norm_gluon(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_normed, y, hh, mean, rstd, config,
-                      gemm_only, lambda shape, dtype: _alloc(shape, dtype, dev))
-        return y, hh, mean, rstd
+        try:
+            mm_norm_gluon(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_normed, y, hh, mean, rstd,
+                          config, gemm_only, lambda shape, dtype: _alloc(shape, dtype, dev))
+            return y, hh, mean, rstd
+        except SpillError:
+            config = forward_candidates(a, b, n, 4 if y.dtype == f32 else 2)[0]  # the tl kernels' first choice
     if config.kind == "spin" and triton.cdiv(n, config.block_n) > num_sms(dev):
         tiles = triton.cdiv(n, config.block_n)
         raise ValueError(f"{config.label()}: a row block's {tiles} tiles cannot all be resident (spin exchange)")

@@ -198,12 +198,14 @@ def gemm_ws(a_desc, b_desc, out_desc, M, N, K, EPILOGUE: gl.constexpr, eargs, FL
     for i in gl.static_range(2):
         mbarrier.init(order.index(i), count=1)
         mbarrier.init(epi_bar.index(i), count=1)
-    loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C, SYNC, B_KN)
+    # Partition arguments are written out in each call: a tuple held in a variable turns its constexprs
+    # into runtime values on the way to a worker partition (triton 3.6), and the loader's C, SYNC and B_KN
+    # must stay compile-time (they pick the schedule and B's box).
     if NCONS == 1:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE, eargs, FLAGS, C, 0, 1, NUM_OUT,
                          B_KN, num_warps)),
-            (_loader, loader_args),
+            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C, SYNC, B_KN)),
         ], [LOAD_WARPS], [LOAD_REGS])
     else:
         gl.static_assert(num_warps == 4, "ping-pong consumers are one warpgroup each")
@@ -212,5 +214,5 @@ def gemm_ws(a_desc, b_desc, out_desc, M, N, K, EPILOGUE: gl.constexpr, eargs, FL
                          B_KN, 4)),
             (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE, eargs, FLAGS, C, 1, 2, NUM_OUT,
                          B_KN, 4)),
-            (_loader, loader_args),
+            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C, SYNC, B_KN)),
         ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Optional
-
 import torch
 
 # Clusters the hardware launches: up to 8 CTAs portably, 16 with the non-portable attribute (triton's
@@ -59,9 +57,19 @@ _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 16
 
 
+_ACTIVE_CLUSTERS: dict = {}
+
+
 def max_active_clusters(compiled, cluster: int, index: int) -> int:
-    """How many clusters of this kernel can be resident at once (cuOccupancyMaxActiveClusters); the SM count
-    over the cluster size when the driver cannot say."""
+    """How many clusters of this kernel can be resident at once (cuOccupancyMaxActiveClusters, asked once
+    per kernel and cluster size); the SM count over the cluster size when the driver cannot say."""
+    key = (compiled.function, cluster, index)
+    if key not in _ACTIVE_CLUSTERS:
+        _ACTIVE_CLUSTERS[key] = _query_active_clusters(compiled, cluster, index)
+    return _ACTIVE_CLUSTERS[key]
+
+
+def _query_active_clusters(compiled, cluster: int, index: int) -> int:
     fallback = max(1, num_sms(index) // cluster)
     try:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -103,26 +111,17 @@ def compiled_kernel(kernel, args: tuple, cluster: int, **options):
     return compiled
 
 
-def launch(kernel, grid: int, args: tuple, cluster: int = 1, **options) -> None:
-    """Run ``kernel`` (a gluon.jit function whose last parameter is ``num_warps``) on ``grid`` programs
-    (clusters when cluster > 1) with ``args``, every other parameter in order (constexprs included).
-    ``options``: num_warps, maxnreg."""
-    compiled = compiled_kernel(kernel, args, cluster, **options)
+def run(compiled, grid: int, args: tuple, num_warps: int) -> None:
+    """Launch ``compiled`` (from ``compiled_kernel``; its last parameter is ``num_warps``) on ``grid``
+    programs (clusters, when it was set to launch in them) on the current stream."""
     stream = torch.cuda.current_stream().cuda_stream
-    compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
-                 options["num_warps"])
+    compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, num_warps)
 
 
-def cluster_grid(kernel, args: tuple, cluster: int, work: int, **options) -> int:
+def cluster_grid(compiled, cluster: int, work: int, index: int) -> int:
     """Clusters to launch for ``work`` row blocks: all that fit at once (persistent), at most one per block."""
-    compiled = compiled_kernel(kernel, args, cluster, **options)
-    index = torch.cuda.current_device()
     return max(1, min(work, max_active_clusters(compiled, cluster, index)))
 
 
 def device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
-
-
-def capability(t: torch.Tensor) -> Optional[tuple]:
-    return torch.cuda.get_device_capability(t.device) if t.device.type == "cuda" else None
