@@ -4,7 +4,9 @@ Grid: M = 262144 rows (``--rows``), bf16, K x N (``--K``, ``--N``), LayerNorm / 
 off / on (``--affine``; "on" = a weight ~ 1 + 0.1 randn and, for LayerNorm, a bias ~ 0.1 randn), forward /
 backward (``--dirs``). Inputs are randn, GEMM weights scaled by 1/sqrt(K); eps 1e-5 (LN), 1e-6 (RMS).
 Per point, four timings of GPU work (``--timer cudagraph``: ``do_bench_cudagraph``, GPU time alone;
-``events``: ``do_bench``), medians:
+``events``: ``do_bench``), medians; cuBLAS, the unfused function, the fused op and its GEMM base are timed
+in ``--rounds`` alternating rounds (median of the rounds). ``--gluon`` runs fusenorm's Gluon sm_90 kernels
+(``config.gluon``) where they apply; t_base_ms is then the Gluon GEMM core with a plain epilogue:
 
 fwd  ``y = norm(a @ W.T)``, a [M, K], W [N, K] (an nn.Linear weight); all under no_grad
     t_mm       cuBLAS ``torch.mm(a, W.t())``
@@ -70,7 +72,7 @@ import torch.nn.functional as F
 DTYPE = torch.bfloat16
 ELEM = 2  # bytes per bf16 element
 EPS = {"layer": 1e-5, "rms": 1e-6}
-DEFAULTS = {"rows": 262144, "K": "256,512,1024,2048", "N": "128,256,512,1024,2048,4096"}
+DEFAULTS = {"rows": 262144, "K": "256,512,1024,2048,4096", "N": "128,256,512,1024,2048,4096,8192"}
 DRY_DEFAULTS = {"rows": 64, "K": "32", "N": "40"}
 DEFAULT_OUT = "benchmarks/results/gemm_norm_h200.json"
 STAT_CHUNK = 32768  # rows per chunk when computing mean/rstd/hh: keeps fp32 temporaries small
@@ -310,8 +312,8 @@ class Bench:
     """Times callables with the chosen timer and reads their peak memory. On the CPU (--dry-run) it takes the
     median wall-clock time of a few calls: it exercises the code, it measures nothing of interest."""
 
-    def __init__(self, timer: str, rep_ms: float, device: str):
-        self.timer, self.rep_ms, self.cuda = timer, rep_ms, device == "cuda"
+    def __init__(self, timer: str, rep_ms: float, device: str, rounds: int = 1):
+        self.timer, self.rep_ms, self.cuda, self.rounds = timer, rep_ms, device == "cuda", rounds
 
     def sync(self):
         if self.cuda:
@@ -455,21 +457,43 @@ def run_point(p: Point, m: int, device: str, bench: Bench, shared: dict) -> dict
 def _measure_point(p: Point, m: int, device: str, bench: Bench, shared: dict, row: dict) -> None:
     torch.manual_seed(0)
     case = Case(p, m, device)
-    _record(row, "mm", _shared(shared, ("mm", p.dir, p.K, p.N), lambda: bench.measure(gemm_call(p, case))))
+    mm_fn = gemm_call(p, case)
+    _record(row, "mm", bench.measure(mm_fn))
     _record(row, "norm", _shared(shared, norm_job(p), lambda: _norm_alone(p, m, device, bench)))
-    unfused = bench.measure(compiled(unfused_job(p), case))
+    unfused_fn = compiled(unfused_job(p), case)
+    unfused = bench.measure(unfused_fn)
     _record(row, "unfused", unfused)
     torch._dynamo.reset()
     op, op_args = fused_op_args(p, case)
     row.update(dispatch(p, op_args))  # before t_fused: the choice may autotune
-    fused = bench.measure(lambda: op(*op_args))
+    fused_fn = lambda: op(*op_args)  # noqa: E731
+    fused = bench.measure(fused_fn)
     _record(row, "fused", fused)
     ref = unfused["out"]
     ref = ref[0] if isinstance(ref, (tuple, list)) else ref
     row["max_abs_diff"] = max_abs_diff(fused["out"][0], ref)  # y (fwd) or dx (bwd)
+    del fused, unfused, ref
+    timed = {"mm": mm_fn, "unfused": unfused_fn, "fused": fused_fn}
     if device == "cuda":
         base, label = gemm_base(p, op_args)
         row["t_base_ms"], row["base_config"] = bench.measure(base)["ms"], label
+        timed["base"] = base
+    alternate_rounds(bench, timed, row)
+
+
+def alternate_rounds(bench: Bench, fns: dict, row: dict) -> None:
+    """``bench.rounds - 1`` more rounds of the point's timings, alternating (cuBLAS, Inductor's unfused
+    function, the fused op, its GEMM base, then again), so slow drifts of clock or temperature hit all of
+    them alike; each t_*_ms becomes the median over the rounds, the rounds kept as rounds_*."""
+    if bench.rounds <= 1:
+        return
+    times = {k: [row[f"t_{k}_ms"]] for k in fns}
+    for _ in range(bench.rounds - 1):
+        for k, fn in fns.items():
+            times[k].append(bench.time_ms(fn)[0])
+    for k, ts in times.items():
+        row[f"t_{k}_ms"] = statistics.median(ts)
+        row[f"rounds_{k}_ms"] = ts
 
 
 def gemm_base(p: Point, op_args: tuple) -> tuple[Callable, str]:
@@ -772,10 +796,13 @@ def merge(paths: list[str], key: Callable[[dict], tuple] | None = None) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def setup_torch(tuning_rep_ms: float | None = None) -> dict:
+def setup_torch(tuning_rep_ms: float | None = None, gluon: bool = False) -> dict:
     """The same state in the workers and the main process, so their FX graph cache keys agree; returns
     fusenorm's tuning settings for the meta block."""
     import fusenorm_inductor  # registers torch.ops.fusenorm.*
+
+    if gluon:
+        fusenorm_inductor.config.gluon = True
 
     if fusenorm_inductor.config.enabled:  # FUSENORM_ENABLE=1: the baselines must be plain Inductor
         fusenorm_inductor.disable()
@@ -785,7 +812,8 @@ def setup_torch(tuning_rep_ms: float | None = None) -> dict:
         return {}
     if tuning_rep_ms is not None:
         tuning.rep_ms = tuning_rep_ms
-    return {k: getattr(tuning, k, None) for k in ("measure", "rep_ms", "margin", "cache_dir")}
+    return {**{k: getattr(tuning, k, None) for k in ("measure", "rep_ms", "margin", "cache_dir")},
+            "gluon": getattr(fusenorm_inductor.config, "gluon", None)}
 
 
 def grid_argv(args) -> list[str]:
@@ -953,6 +981,10 @@ def parse_args(argv=None):
                    help="cudagraph: do_bench_cudagraph (GPU time alone); events: do_bench (includes CPU launch "
                         "overhead when the GPU waits for it)")
     p.add_argument("--rep-ms", type=float, default=50.0, help="GPU time spent measuring each timing (default 50)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timing rounds per point, alternating cuBLAS / unfused / fused / GEMM base; medians (default 3)")
+    p.add_argument("--gluon", action="store_true",
+                   help="run fusenorm's Gluon sm_90 kernels where they apply (config.gluon; FUSENORM_GLUON=1)")
     p.add_argument("--tuning-rep-ms", type=float, default=None,
                    help="fusenorm_inductor.config.tuning.rep_ms for the dispatch's own measurements (default: "
                         "fusenorm's); lower it to save GPU time")
@@ -1013,8 +1045,8 @@ def run(args, device: str) -> dict:
     try:
         precompile(args, len(jobs(points)), cache_dir)
         t_pre = time.time()
-        tuning_settings = setup_torch(args.tuning_rep_ms)
-        bench = Bench(args.timer, args.rep_ms, device)
+        tuning_settings = setup_torch(args.tuning_rep_ms, args.gluon)
+        bench = Bench(args.timer, args.rep_ms, device, args.rounds)
         ceilings = measure_ceilings(bench, device, args.dry_run)
         print(f"ceilings: bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s, copy {ceilings['copy_gbps']:.0f} GB/s",
               flush=True)
