@@ -1,0 +1,132 @@
+"""Which inputs the Gluon sm_90 path takes and which configurations it lists (kernels/hopper/mm_norm.py), on
+the CPU: the device checks are stubbed to an sm_90 GPU and tensors are on the meta device (shapes, strides
+and dtypes are all these rules read; storage alignment is checked only for real tensors)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from fusenorm_inductor.kernels.hopper import _compat  # noqa: E402
+from fusenorm_inductor.kernels.hopper import launch as L  # noqa: E402
+from fusenorm_inductor.kernels.hopper import mm_norm as hopper  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not _compat.available(), reason=f"no usable Gluon: {_compat.GLUON_ERROR}")
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """unsupported() sees an sm_90 GPU; meta tensors have no storage, so alignment is taken as given."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(hopper, "_tma_ok", lambda t: True)
+
+
+def _ab(m, k, n, dtype=BF16, b_t=True):
+    a = torch.empty((m, k), device="meta", dtype=dtype)
+    b = torch.empty((n, k), device="meta", dtype=dtype).t() if b_t else torch.empty((k, n), device="meta", dtype=dtype)
+    return a, b
+
+
+class _CudaView:
+    """Forwards everything to a meta tensor but says it is on CUDA."""
+
+    def __init__(self, t):
+        self._t = t
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def _as_cuda(t):
+    return _CudaView(t) if t is not None else None
+
+
+def _why(a, b, residual=None, out_dtype=None):
+    return hopper.unsupported(_as_cuda(a), _as_cuda(b), None, residual, None, None, out_dtype, False)
+
+
+@pytest.mark.parametrize("n", [40, 64, 96, 128, 200, 256, 320, 512, 1000, 1024, 2048, 4096])
+@pytest.mark.parametrize("k", [40, 512])
+def test_takes_aligned_16bit_inputs(sm90, n, k):
+    a, b = _ab(1000, k, n)
+    assert _why(a, b) is None
+    a, b = _ab(1000, k, n, dtype=torch.float16, b_t=False)
+    assert _why(a, b) is None
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda: _ab(257, 200, 128, dtype=torch.float32), "float32"),
+        (lambda: _ab(257, 196 + 2, 128), "multiple of 8"),
+        (lambda: _ab(257, 200, 100), "multiple of 8"),
+        (lambda: (_ab(257, 200, 128)[0].t().contiguous().t(), _ab(257, 200, 128)[1]), "row-major"),
+        (lambda: _ab(257, 200, 8192), "N=8192"),
+        (lambda: _ab(257, 200, 3072), "N=3072"),
+    ],
+    ids=["fp32", "k_odd", "n_odd", "a_colmajor", "n_8192", "n_3072"],
+)
+def test_declines_with_a_reason(sm90, make, reason):
+    a, b = make()
+    why = _why(a, b)
+    assert why is not None and reason in why, why
+
+
+def test_declines_other_output_dtype_and_residual(sm90):
+    a, b = _ab(257, 200, 128)
+    assert "output dtype" in _why(a, b, out_dtype=torch.float32)
+    res = torch.empty((257, 128), device="meta", dtype=torch.float32)
+    assert "residual" in _why(a, b, residual=_as_cuda(res))
+
+
+def test_declines_off_sm90(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    a, b = _ab(257, 200, 128)
+    assert "sm_90" in _why(a, b)
+
+
+@pytest.mark.parametrize("n", [40, 64, 96, 128, 200, 256])
+@pytest.mark.parametrize("save", [False, True])
+def test_one_tile_candidates(n, save):
+    a, b = _ab(262144, 512, n)
+    cands = hopper.candidates(a, b, save)
+    assert cands, n
+    for c in cands:
+        assert c.kind in ("gl_coop", "gl_pp") and c.block_n >= n and c.block_n == hopper.pow2_tile(n)
+        staging = (2 if c.kind == "gl_pp" else 1) * (2 if save else 1)
+        assert L.smem_bytes(c.block_m, c.block_n, c.block_k, c.stages, staging) <= L.SMEM_LIMIT
+        assert c.stages >= 2
+
+
+@pytest.mark.parametrize("n, sizes", [(320, {2, 3}), (512, {2, 4}), (1000, {4, 8}), (2048, {8, 16}), (4096, {16})])
+def test_cluster_candidates(n, sizes):
+    a, b = _ab(262144, 1024, n)
+    cands = hopper.candidates(a, b, True)
+    assert {c.kind for c in cands} == {"gl_cluster"}
+    assert {hopper.cluster_size(n, c.block_n) for c in cands} == sizes
+    for c in cands:
+        assert L.smem_bytes(c.block_m, c.block_n, c.block_k, c.stages, 2) <= L.SMEM_LIMIT
+
+
+def test_cluster_size_rules():
+    assert hopper.cluster_size(256) == 1 and hopper.cluster_size(40) == 1
+    assert hopper.cluster_size(257) == 2 and hopper.cluster_size(2048, 128) == 16
+    assert hopper.cluster_size(2304) is None  # 9 tiles: neither portable (<= 8) nor 16
+
+
+def test_vectors_padded_to_whole_tiles():
+    v = torch.arange(200, dtype=torch.float32)
+    p = hopper._padded(v, 256)
+    assert p.shape == (256,) and torch.equal(p[:200], v) and not p[200:].any()
+    assert hopper._padded(v[:128], 128).data_ptr() == v.data_ptr()  # already whole: no copy
+
+
+def test_register_budget():
+    assert L.maxnreg(8) == 240 and L.maxnreg(12) == 168
+    assert L.padded_warps(1) == 4 and L.padded_warps(8) == 8
