@@ -21,21 +21,22 @@ __version__ = "0.1.0"
 def enable() -> None:
     """Run fusenorm's passes under plain ``torch.compile`` (Inductor) from now on in this process.
 
-    Chains after any custom pass already installed in the same Inductor slots. Graphs compiled before this
-    call keep their code: call ``torch._dynamo.reset()`` to recompile them.
+    The same as ``config.enabled = True`` (or, for a block, ``with config.patch(enabled=True)``). Chains after
+    any custom pass already installed in the same Inductor slots. Graphs compiled before this call keep their
+    code: call ``torch._dynamo.reset()`` to recompile them.
     """
-    from . import passes
-
-    passes.install()
-    config.enabled = True
+    config.enabled = True  # config installs the passes (passes.install)
 
 
 def disable() -> None:
-    """Stop running fusenorm's passes under plain ``torch.compile``; the user's own passes stay."""
-    from . import passes
+    """Stop running fusenorm's passes under plain ``torch.compile``; the user's own passes stay.
 
-    passes.uninstall()
-    config.enabled = False
+    The same as ``config.enabled = False``. Only later compiles are affected: functions and modules already
+    compiled keep running the fused code they were compiled with until ``torch._dynamo.reset()`` (or until
+    they recompile for another reason), so call ``torch._dynamo.reset()`` after ``disable()`` to get plain
+    Inductor code everywhere.
+    """
+    config.enabled = False  # config uninstalls the passes (passes.uninstall)
 
 
 if config.enabled:  # FUSENORM_ENABLE=1: enabled as soon as the package is imported

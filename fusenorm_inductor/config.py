@@ -2,62 +2,109 @@
 
 Every option is a module attribute. Set it directly (``fusenorm_inductor.config.debug_dir = "/tmp/fn"``),
 temporarily (``with fusenorm_inductor.config.patch(enabled=True): ...``), or through the environment
-variable named beside it (read when this module is first imported; "1"/"0" for booleans). An unknown
-option name raises ``AttributeError`` on set and on ``patch``.
+variable named beside it (read when this module is first imported). Boolean variables take 1/0, true/false,
+yes/no or on/off (any case, surrounding spaces ignored; empty is the same as unset); any other value fails
+the import with an error naming the variable. A ``FUSENORM_*`` variable that names no option warns at import
+with the closest known name. An unknown option name raises ``AttributeError`` on set and on ``patch``.
 
 The whole config is hashed into the passes' ``uuid()``, so changing an option invalidates Inductor's FX
 graph cache entries that were compiled under another value.
 """
 
+import difflib
+import os
 import sys
+import warnings
 
 from torch.utils._config_module import Config, install_config_module
 
-# Run fusenorm's passes under plain ``torch.compile(model)`` (backend="inductor").
-# ``fusenorm_inductor.enable()`` / ``disable()`` set this and install/uninstall the passes; setting it by
-# hand after import has no effect until ``enable()`` is called. ``backend="fusenorm"`` ignores it.
-enabled: bool = Config(env_name_default="FUSENORM_ENABLE", default=False)
+# The environment variables are read here, not by torch's ``Config(env_name_default=...)``: that takes only
+# "1" and "0" as booleans and keeps any other value as a string, so FUSENORM_ENABLE=false read as True.
+_ENV_VARS: list = []  # every name read below; deleted before install_config_module (it is no option)
+
+
+def _parse_bool(name: str, raw: str | None, default: bool) -> bool:
+    """``raw``, the value of environment variable ``name``, as a boolean; ``default`` where unset or empty."""
+    value = (raw or "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"fusenorm: environment variable {name}={raw!r} is not a boolean: use 1/0, true/false, "
+                     f"yes/no or on/off (any case)")
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    _ENV_VARS.append(name)
+    return _parse_bool(name, os.environ.get(name), default)
+
+
+def _env_str(name: str) -> str | None:
+    """The string in environment variable ``name``; None where it is unset or empty."""
+    _ENV_VARS.append(name)
+    return os.environ.get(name) or None
+
+
+def _warn_unknown_env(known: list) -> None:
+    """Warn (once: this runs at import) about each FUSENORM_* variable that names no option."""
+    prefix = "FUSENORM_"
+    for name in sorted(os.environ):
+        if name.upper().startswith(prefix) and name not in known:
+            # Compared without the common prefix, which would make every name look close to every other.
+            close = difflib.get_close_matches(name.upper()[len(prefix):], [k[len(prefix):] for k in known], n=1)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"the known ones are {', '.join(sorted(known))}"
+            warnings.warn(f"fusenorm: environment variable {name} is not a fusenorm option and is ignored; {hint}",
+                          stacklevel=2)
+
+
+# Run fusenorm's passes under plain ``torch.compile(model)`` (backend="inductor"). Setting it (directly,
+# with ``patch``, or through ``fusenorm_inductor.enable()`` / ``disable()``) installs or uninstalls the passes
+# in Inductor's config at once; graphs compiled before keep their code until ``torch._dynamo.reset()``.
+# FUSENORM_ENABLE=1 installs them when the package is imported. ``backend="fusenorm"`` ignores it.
+enabled: bool = Config(default=_env_bool("FUSENORM_ENABLE", False))
 
 # Directory for per-graph dumps: the graphs before and after fusenorm's passes, as readable code, and the
 # match report (every rewrite and every candidate that was not rewritten, with the reason).
-debug_dir = Config(env_name_default="FUSENORM_DEBUG_DIR", default=None, value_type=str)
+debug_dir = Config(default=_env_str("FUSENORM_DEBUG_DIR"), value_type=str)
 
 # Rewrite LayerNorm/RMSNorm calls into fusenorm's canonical norm op before autograd. Every fusion below
 # matches the canonical op, so turning this off turns all of them off.
-canonicalize_norms: bool = Config(env_name_default="FUSENORM_CANONICALIZE_NORMS", default=True)
+canonicalize_norms: bool = Config(default=_env_bool("FUSENORM_CANONICALIZE_NORMS", True))
 
 
 class patterns:
     """Per-pattern switches; the names are the pattern names in the match report and counters."""
 
     # linear -> [+ residual] -> norm: GEMM with the norm in its epilogue (forward).
-    linear_norm_fwd: bool = Config(env_name_default="FUSENORM_LINEAR_NORM_FWD", default=True)
+    linear_norm_fwd: bool = Config(default=_env_bool("FUSENORM_LINEAR_NORM_FWD", True))
     # norm -> linear(s): Lazy Pre-Norm, the norm applied inside each linear's GEMM (forward), the weight
     # gradient from the norm's input and statistics (backward).
-    norm_linear_fwd: bool = Config(env_name_default="FUSENORM_NORM_LINEAR_FWD", default=True)
+    norm_linear_fwd: bool = Config(default=_env_bool("FUSENORM_NORM_LINEAR_FWD", True))
     # norm -> linear, backward: the linear's data-gradient GEMM with the norm backward in its epilogue.
-    dgrad_norm_bwd: bool = Config(env_name_default="FUSENORM_DGRAD_NORM_BWD", default=True)
+    dgrad_norm_bwd: bool = Config(default=_env_bool("FUSENORM_DGRAD_NORM_BWD", True))
     # LayerNorm_{H*D} -> GDPA -> + ln_q -> RMSNorm_{H*D} -> + q (the FlashNormAttention block, written with
     # fusenorm::gdpa or as the dense einsum/matmul composite): one fusenorm::flash_norm_attention call
     # (pre-grad; pattern names attention_block and attention_block_dense).
-    attention_block: bool = Config(env_name_default="FUSENORM_ATTENTION_BLOCK", default=True)
+    attention_block: bool = Config(default=_env_bool("FUSENORM_ATTENTION_BLOCK", True))
     # Either form of the block when gradients are needed (training). Off by default: on the H200 the fused
     # backward is slower than what it replaces. Written with gdpa: 18-30% slower than gdpa + Inductor's norms
     # (README, Performance, Attention). The dense composite: a PFFN training step measures 0.63x of plain
     # Inductor's (benchmarks/results/models_h200.json; its padded rows are computed too). Inference is fused.
-    attention_block_training: bool = Config(env_name_default="FUSENORM_ATTENTION_BLOCK_TRAINING", default=False)
+    attention_block_training: bool = Config(default=_env_bool("FUSENORM_ATTENTION_BLOCK_TRAINING", False))
 
 
 # Run the post-norm forward on the Gluon sm_90 kernels (fusenorm_inductor/kernels/hopper/) where they take
 # the inputs (sm_90 GPU, a triton with the Gluon API, 16-bit TMA-aligned operands, N <= 4096). Off until
 # their numerics have passed on the H200: then the `tl` kernels run as before.
-gluon: bool = Config(env_name_default="FUSENORM_GLUON", default=False)
+gluon: bool = Config(default=_env_bool("FUSENORM_GLUON", False))
 
 # Let the fused kernels for rows wider than one tile (N > 256) exchange row statistics between programs
 # that wait for each other ("spin" kernels, docs/design.md). They launch at most one program per SM, so all
 # are resident on a whole GPU; a GPU partitioned below its SM count (MPS thread limits, green contexts)
 # could hang them: set this to False there (the "coop" kernels never wait and run anywhere).
-spin_exchange: bool = Config(env_name_default="FUSENORM_SPIN_EXCHANGE", default=True)
+spin_exchange: bool = Config(default=_env_bool("FUSENORM_SPIN_EXCHANGE", True))
 
 
 class tuning:
@@ -66,9 +113,9 @@ class tuning:
 
     # Measure on CUDA (once per shape, cached on disk). Off: every match is fused with the kernels' first
     # candidate configuration (the tests do this, so that small shapes are fused and checked).
-    measure: bool = Config(env_name_default="FUSENORM_TUNE", default=True)
+    measure: bool = Config(default=_env_bool("FUSENORM_TUNE", True))
     # Where measurements are kept across processes; None = ~/.cache/fusenorm.
-    cache_dir = Config(env_name_default="FUSENORM_CACHE_DIR", default=None, value_type=str)
+    cache_dir = Config(default=_env_str("FUSENORM_CACHE_DIR"), value_type=str)
     # Fuse only when the fused time is below the unfused estimate by this fraction. The estimate (cuBLAS +
     # a norm at copy speed) and the fused kernels' run-to-run spread (up to ~15-20% for the N > 256
     # kernels on the H200, benchmarks/results/gemm_norm_h200.json) put fusions that were measured 3%
@@ -81,7 +128,27 @@ class tuning:
 
 # When a pass raises, log a warning and leave the graph to plain Inductor (the graph is restored from a
 # copy taken before the pass). Tests set this to False to see the error.
-fallback_on_error: bool = Config(env_name_default="FUSENORM_FALLBACK_ON_ERROR", default=True)
+fallback_on_error: bool = Config(default=_env_bool("FUSENORM_FALLBACK_ON_ERROR", True))
 
 
+_warn_unknown_env(_ENV_VARS)
+del _ENV_VARS
 install_config_module(sys.modules[__name__])
+
+
+class _FusenormConfigModule(type(sys.modules[__name__])):
+    """The installed config module, plus: setting ``enabled`` installs or uninstalls fusenorm's passes in
+    Inductor's config (``patch`` sets it on entry and back on exit, so it does the same)."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "enabled":
+            from . import passes
+
+            if value:  # first: a failure leaves the option as it was
+                passes.install()
+            else:
+                passes.uninstall()
+        super().__setattr__(name, value)
+
+
+object.__setattr__(sys.modules[__name__], "__class__", _FusenormConfigModule)  # past ConfigModule's __setattr__
