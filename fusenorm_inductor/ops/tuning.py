@@ -13,9 +13,24 @@ Two questions, both answered by timing on the GPU once per shape and remembered 
    plain Inductor does. Fusion is kept only when it is faster by ``config.tuning.margin``; otherwise the
    match report names the measured times and Inductor compiles the graph as it would without fusenorm.
 
+Deterministic mode (``torch.use_deterministic_algorithms(True)``): nothing is timed and the cache is not
+read, since timings (and so the choices made from them) differ from run to run. Every launch runs the
+kernels' first candidate, and every match is fused, as with ``config.tuning.measure`` off; the match
+report's reason says so.
+
 The cache is a JSON file (``config.tuning.cache_dir``, default ``~/.cache/fusenorm``) keyed by the GPU,
 torch and triton versions, a hash of the kernel sources, the shape, dtypes and flags. Entries are merged on
 write, so concurrent processes only ever lose each other's newest entries, never corrupt the file.
+Nothing about the cache fails a compile or a launch: a file that cannot be parsed or is not a JSON object,
+and an entry of the wrong shape, count as absent (that shape is measured again, or runs the first candidate
+where it cannot be), and a cache directory that cannot be written keeps measurements in the process only;
+either warns once per file or directory, naming it.
+
+The unfused norm's time needs the copy bandwidth, probed once per device and process
+(``copy_bandwidth_gbps``). When the probe fails (it warns once; a failure is not remembered, so a later
+call probes again), the launchers still run the fastest measured configuration, but the fuse decision counts
+as not measured: the match is fused, as with ``config.tuning.measure`` off, and the reason says why. Such an
+entry is kept in the process only, never written to the cache.
 
 The choice functions take the ops' own arguments but read only shapes, dtypes, strides, devices and which
 optionals are present, so fake tensors from a traced graph work.
@@ -23,11 +38,14 @@ optionals are present, so fake tensors from a traced graph work.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+import math
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -51,6 +69,7 @@ __all__ = [
 CACHE_VERSION = 1
 _memo: dict[tuple, dict] = {}  # in-process cache: key -> entry (as stored on disk)
 _misses: set[tuple] = set()  # keys the disk cache did not have (read the file once per key, not per call)
+_warned: set[tuple] = set()  # what was warned about already (a cache file, a cache directory, a probed device)
 
 
 @dataclass(frozen=True)
@@ -63,9 +82,17 @@ class Choice:
 
 
 def clear_memory() -> None:
-    """Forget in-process results (the disk cache stays); tests use it."""
+    """Forget in-process results and which problems were warned about (the disk cache stays); tests use it."""
     _memo.clear()
     _misses.clear()
+    _warned.clear()
+
+
+def _warn_once(what: tuple, msg: str) -> None:
+    """``warnings.warn`` (as the passes do), once per ``what`` and process."""
+    if what not in _warned:
+        _warned.add(what)
+        warnings.warn(f"fusenorm: {msg}", stacklevel=3)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -98,33 +125,89 @@ def _cache_file() -> Path:
     return Path(root) / f"tuning-v{CACHE_VERSION}.json"
 
 
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def _warn_file(path: Path, problem: str) -> None:
+    _warn_once(("read", str(path)), f"tuning cache {path}: {problem}; ignored (those shapes are measured again)")
+
+
 def _read_disk() -> dict:
+    """The cache file's entries; {} when there is none, or (warned once per file) when it cannot be read, is
+    not JSON or is not a JSON object. Entries are not checked here (``_lookup`` does, on use)."""
+    path = _cache_file()
     try:
-        return json.loads(_cache_file().read_text())
-    except (OSError, ValueError):
+        text = path.read_text()
+    except (FileNotFoundError, NotADirectoryError):  # nothing measured yet (a cache_dir that is a file: on write)
         return {}
+    except (OSError, ValueError) as e:  # unreadable, or not UTF-8
+        _warn_file(path, f"cannot be read ({_first_line(e)})")
+        return {}
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        _warn_file(path, f"not valid JSON ({_first_line(e)})")
+        return {}
+    if not isinstance(data, dict):
+        _warn_file(path, f"not a JSON object but {type(data).__name__}")
+        return {}
+    return data
 
 
 def _write_disk(key: str, entry: dict) -> None:
     path = _cache_file()
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read_disk()
+        data = _read_disk()  # a malformed file (warned) is replaced by one holding this entry
         data[key] = entry
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-")
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=0, sort_keys=True)
         os.replace(tmp, path)  # atomic: readers see the old or the new file, never half of one
-    except OSError:
-        pass  # an unwritable cache only costs re-measuring in the next process
+        tmp = None
+    except (OSError, TypeError, ValueError) as e:
+        # An unwritable cache only costs re-measuring in the next process.
+        _warn_once(("write", str(path.parent)),
+                   f"cannot write the tuning cache in {path.parent} ({_first_line(e)}); measurements are kept in "
+                   f"this process only")
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _entry_problem(entry) -> Optional[str]:
+    """What is wrong with a cache entry read from disk, None if nothing (``_choice`` and ``_tuned_config``
+    read its config and its two times)."""
+    if not isinstance(entry, dict):
+        return f"an entry is {type(entry).__name__}, not an object"
+    for name in ("t_fused_ms", "t_unfused_ms"):
+        t = entry.get(name)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:  # inf is fine, NaN is not
+            return f"an entry's {name!r} is {t!r}, not a time in ms"
+    try:
+        _config_of(entry)
+    except ValueError as e:
+        return f"an entry's 'config' {e}"
+    return None
 
 
 def _lookup(key: tuple) -> Optional[dict]:
+    """The entry for key: this process's, else the disk cache's (a malformed one counts as absent), else None."""
     if key in _memo:
         return _memo[key]
     if key in _misses:
         return None
-    entry = _read_disk().get(_disk_key(key))
+    data, disk_key = _read_disk(), _disk_key(key)
+    entry = data.get(disk_key)
+    if disk_key in data:
+        problem = _entry_problem(entry)
+        if problem is not None:
+            _warn_file(_cache_file(), problem)
+            entry = None
     if entry is None:
         _misses.add(key)
     else:
@@ -135,7 +218,8 @@ def _lookup(key: tuple) -> Optional[dict]:
 def _store(key: tuple, entry: dict) -> None:
     _memo[key] = entry
     _misses.discard(key)
-    _write_disk(_disk_key(key), entry)
+    if entry.get("t_unfused_ms") is not None:  # without it (a failed bandwidth probe) it stays in this process
+        _write_disk(_disk_key(key), entry)
 
 
 def _disk_key(key: tuple) -> str:
@@ -207,12 +291,21 @@ def _gemm_ms(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> float:
     return _time_ms((lambda: torch.addmm(bias, a, b)) if bias is not None else (lambda: torch.mm(a, b)))
 
 
-def _norm_proxy_ms(m: int, n: int, dtype: torch.dtype, passes: int, device: torch.device) -> float:
+def _norm_proxy_ms(m: int, n: int, dtype: torch.dtype, passes: int, device: torch.device) -> Optional[float]:
     """The unfused norm's time, taken as ``passes`` streams of [m, n] elements at the copy bandwidth:
     Inductor's norm kernels reach it on these shapes (baselines-h200.md). (torch's own ``copy_`` does not:
-    ~2.7 of ~4.2 TB/s on the H200, which would make the unfused path look slower than it is.)"""
+    ~2.7 of ~4.2 TB/s on the H200, which would make the unfused path look slower than it is.) None when the
+    bandwidth probe failed."""
+    gbps = copy_bandwidth_gbps(device)
+    if not gbps > 0:
+        return None
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return passes * m * n * itemsize / (copy_bandwidth_gbps(device) * 1e6)
+    return passes * m * n * itemsize / (gbps * 1e6)
+
+
+def _plus(t_mm: float, t_norm: Optional[float]) -> Optional[float]:
+    """The unfused path's time; None (not measured) without the norm's."""
+    return None if t_norm is None else t_mm + t_norm
 
 
 @functools.cache
@@ -231,21 +324,33 @@ def _copy_kernel():
 
 def copy_bandwidth_gbps(device: torch.device) -> float:
     """Streaming bandwidth (read + write) of a wide Triton copy of 1 GiB, GB/s; measured once per device
-    and process (also the benchmark's bandwidth ceiling)."""
+    and process (also the benchmark's bandwidth ceiling). 0.0 when the probe fails (the copy does not run,
+    or 1 GiB is not free): that warns once per device and is not remembered, so the next call probes again."""
     key = ("copy_gbps", device)
-    if key not in _memo:
+    if key in _memo:
+        return _memo[key]["gbps"]
+    numel = 1 << 29
+    ms, err = math.inf, "the timed copy kernel failed"
+    try:
         import triton
 
         with _RealInputs():
-            numel = 1 << 29
             src = torch.empty(numel, dtype=torch.bfloat16, device=device)
             dst = torch.empty_like(src)
             block = 8192
             kernel = _copy_kernel()
             ms = _time_ms(lambda: kernel[(triton.cdiv(numel, block),)](src, dst, numel, BLOCK=block, num_warps=8))
             del src, dst
-        _memo[key] = {"gbps": 2 * numel * 2 / (ms * 1e6)}
-    return _memo[key]["gbps"]
+    except Exception as e:  # noqa: BLE001 - a failed probe only leaves the fuse decisions unmeasured
+        err = _first_line(e)
+    if not 0 < ms < math.inf:  # inf (failed), NaN, or a timer that returned nothing sensible
+        _warn_once(("probe", str(device)),
+                   f"the copy-bandwidth probe on {device} failed ({err}); fuse decisions that need the unfused "
+                   f"norm's time are not measured (fused) until a probe succeeds")
+        return 0.0
+    gbps = 2 * numel * 2 / (ms * 1e6)
+    _memo[key] = {"gbps": gbps}
+    return gbps
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -280,10 +385,10 @@ def _measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_d
         t_mm = _gemm_ms(ra, rb, bias_r)
         # Inductor's norm reads h (and the residual) and writes y.
         t_norm = _norm_proxy_ms(ra.shape[0], rb.shape[1], ra.dtype, 3 if res_r is not None else 2, dev)
-    return _entry(best, times, t_mm + t_norm)
+    return _entry(best, times, _plus(t_mm, t_norm))
 
 
-def _entry(best, times: dict, t_unfused: float) -> dict:
+def _entry(best, times: dict, t_unfused: Optional[float]) -> dict:
     return {
         "config": list(best),
         "t_fused_ms": times[best],
@@ -293,9 +398,26 @@ def _entry(best, times: dict, t_unfused: float) -> dict:
 
 
 def _config_of(entry: dict):
+    """The entry's GemmConfig; ValueError (saying what is wrong) when its "config" does not make one."""
     from ._triton_common import GemmConfig
 
-    return GemmConfig(*entry["config"])
+    cfg = entry.get("config")
+    if not isinstance(cfg, (list, tuple)):
+        raise ValueError(f"is {cfg!r}, not a list")
+    fields = GemmConfig._fields
+    required = len(fields) - len(GemmConfig._field_defaults)
+    if not required <= len(cfg) <= len(fields):
+        raise ValueError(f"{cfg!r} has {len(cfg)} fields, not {required} to {len(fields)}")
+    for name, v in zip(fields, cfg):
+        if name == "kind":
+            ok = isinstance(v, str) and bool(v)
+        elif name == "prefetch":
+            ok = isinstance(v, bool)
+        else:
+            ok = isinstance(v, int) and not isinstance(v, bool) and v > 0
+        if not ok:
+            raise ValueError(f"{cfg!r} has {name} = {v!r}")
+    return GemmConfig(*cfg)
 
 
 def forward_out_bytes(a, residual, out_dtype, save_normed) -> int:
@@ -321,7 +443,9 @@ def forward_config(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dty
 def _tuned_config(key: tuple, device: torch.device, candidates: Callable[[], list], measure: Callable[[], dict]):
     """The cached measurement when there is one (also while a CUDA graph is captured: the launcher's hot
     path is one dict lookup), else measure now and cache, else (no CUDA, tuning off, capturing, or a single
-    candidate) the first candidate."""
+    candidate) the first candidate. In deterministic mode always the first candidate (module docstring)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return candidates()[0]
     if device.type == "cuda":
         entry = _lookup(key)
         if entry is not None:
@@ -354,17 +478,29 @@ def _default_label(t: Tensor) -> str:
     return f"{t.device.type} reference" if t.device.type != "cuda" else "the kernels' first candidate"
 
 
+_PROBE_FAILED = "not measured: the copy-bandwidth probe failed, so the unfused norm's time is unknown"
+
+
 def _choice(key, device, measure: Callable[[], dict], default_label: Callable[[], str],
             what: str = "cuBLAS GEMM + norm at copy speed") -> Choice:
-    if not _can_measure(device):
-        why = "not measured on CPU" if device.type != "cuda" else "not measured (config.tuning.measure off)"
+    can = _can_measure(device)
+    if not can and device.type != "cuda":
+        return Choice(True, default_label(), "fused (not measured on CPU)")
+    if torch.are_deterministic_algorithms_enabled():
+        why = "not measured: deterministic algorithms are on, and timings are not deterministic"
         return Choice(True, default_label(), f"fused ({why})")
+    if not can:
+        return Choice(True, default_label(), "fused (not measured (config.tuning.measure off))")
     entry = _lookup(key)
-    if entry is None:
+    # An entry without the unfused time (a failed probe; in this process only) is measured again once the
+    # probe works (a failed probe is not remembered).
+    if entry is None or (entry["t_unfused_ms"] is None and copy_bandwidth_gbps(device) > 0):
         entry = measure()
         _store(key, entry)
     t_f, t_u = entry["t_fused_ms"], entry["t_unfused_ms"]
     label = _config_of(entry).label()
+    if t_u is None:
+        return Choice(True, label, f"fused ({_PROBE_FAILED})")
     fuse = t_f < t_u * (1.0 - config.tuning.margin)
     verdict = "fused" if fuse else "left unfused: fusion would not win"
     reason = f"{verdict} (measured {t_f:.4g} ms fused [{label}] vs {t_u:.4g} ms {what})"
@@ -404,7 +540,7 @@ def _measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_norm
         t_mm = _time_ms(lambda: torch.mm(rdy, rb))
         # The unfused norm backward reads dn and the saved tensor and writes dx (row sums stay on chip).
         t_norm = _norm_proxy_ms(rdy.shape[0], rb.shape[1], rdy.dtype, 3, dev)
-    return _entry(best, times, t_mm + t_norm)
+    return _entry(best, times, _plus(t_mm, t_norm))
 
 
 def backward_config(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype):
@@ -455,11 +591,17 @@ def _measure_prenorm(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype) -> d
             )
         best = min(times, key=times.get)
         t_mm = _gemm_ms(ra, rb, rbias)
-    return _entry(best, times, t_mm + prenorm_norm_ms(a))
+    return _entry(best, times, _plus(t_mm, _prenorm_norm_ms(a)))
 
 
 def prenorm_norm_ms(a: Tensor) -> float:
-    """The unfused pre-norm's time: Inductor's norm reads x and writes y, [M, K] each, at copy speed."""
+    """The unfused pre-norm's time: Inductor's norm reads x and writes y, [M, K] each, at copy speed. 0.0 when
+    the bandwidth probe failed (``prenorm_choice`` then reports no measurement, so the pattern does not use it)."""
+    t = _prenorm_norm_ms(a)
+    return 0.0 if t is None else t
+
+
+def _prenorm_norm_ms(a: Tensor) -> Optional[float]:
     return _norm_proxy_ms(a.shape[0], a.shape[1], a.dtype, 2, a.device)
 
 
@@ -480,4 +622,9 @@ def prenorm_choice(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype) -> Cho
     the pattern compares the consumers' sum against one norm + their GEMMs), and with which configuration."""
     key = _prenorm_key(a, b, bias, weight, norm_bias, is_rms, out_dtype)
     measure = functools.partial(_measure_prenorm, a, b, bias, weight, norm_bias, eps, is_rms, out_dtype)
-    return _choice(key, a.device, measure, lambda: _default_label(b), what="norm at copy speed + cuBLAS GEMM")
+    choice = _choice(key, a.device, measure, lambda: _default_label(b), what="norm at copy speed + cuBLAS GEMM")
+    if choice.t_fused_ms is not None and _prenorm_norm_ms(a) is None:
+        # A cached measurement, but the pattern weighs fan-out and weight-gradient rebuilds with
+        # prenorm_norm_ms, which needs the copy bandwidth: without it the match counts as not measured.
+        choice = Choice(True, choice.config, f"fused ({_PROBE_FAILED})")
+    return choice
