@@ -1,21 +1,33 @@
 """The match report: what each compiled graph had rewritten, what was seen but left alone and why.
 
 One ``GraphReport`` per compiled graph (Dynamo frame compile). Every pass stage adds to it; when
-``config.debug_dir`` is set the report and the graphs before/after each stage are written under
-``<debug_dir>/<NNN>_<compile id>/``. Rewrites are also counted in
-``torch._dynamo.utils.counters["fusenorm"][<pattern name>]``, and each stage logs a one-line summary on
-the ``fusenorm`` logger (``TORCH_LOGS="+fusenorm"``).
+``config.debug_dir`` is set (``~`` expanded) the report and the graphs before/after each stage are written
+under a folder of their own per process, ``<debug_dir>/run-<time>-<pid>-<random>/<NNN>_<compile id>/``, with an
+``index.md`` / ``index.json`` there listing the graphs written in that run. A graph that Inductor serves from
+its caches (AOTAutograd / FX graph cache) is not recompiled and fusenorm's passes do not run for it: it gets a
+report saying so (``cache_hit``), with no rewrites listed. Rewrites are also counted in
+``torch._dynamo.utils.counters["fusenorm"][<pattern name>]``; each stage logs a one-line summary on the
+``fusenorm`` logger (``TORCH_LOGS="+fusenorm"``) and, at DEBUG level, one line per candidate not rewritten.
+
+The dumps never follow a symbolic link: the folders are created private (mode 0700), each write opens its
+folder with ``O_NOFOLLOW`` and checks it is the one created, files are created with ``O_EXCL | O_NOFOLLOW``
+and renamed into place, and a ``debug_dir`` that is itself a symbolic link is refused (the callers warn).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import os
+import secrets
+import stat
+import time
+import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from torch._dynamo.utils import counters
 
@@ -52,6 +64,11 @@ class GraphReport:
     skips: list[Skip] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     dumps: dict[str, str] = field(default_factory=dict)
+    # Inductor served this graph from its caches, so fusenorm's passes did not run: hits counted during its
+    # compile, by cache ("aot_autograd", "fx_graph"). Empty for a graph the passes ran on.
+    cache_hit: dict[str, int] = field(default_factory=dict)
+    # Where write() put it: (the run, the folder's (st_dev, st_ino)); later writes go to that same folder.
+    _written_to: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     def rewrite(self, pattern: str, stage: str, nodes, shapes, dtype, kernel, detail: str = "") -> None:
         self.rewrites.append(
@@ -61,6 +78,9 @@ class GraphReport:
 
     def skip(self, pattern: str, stage: str, node, reason: str) -> None:
         self.skips.append(Skip(pattern, stage, str(node), reason))
+        if log.isEnabledFor(logging.DEBUG):  # TORCH_LOGS="+fusenorm": every candidate left alone, and why
+            log.debug("fusenorm [%s] %s: %s not rewritten at %s: %s", self.graph_id, stage, pattern, node,
+                      " ".join(str(reason).split()))
 
     def rollback(self, n_rewrites: int, n_skips: int) -> None:
         """Forget what a stage recorded after the given counts (its graph was restored after an error)."""
@@ -79,7 +99,10 @@ class GraphReport:
 
     # ---- output --------------------------------------------------------------------------------------
     def to_markdown(self) -> str:
-        lines = [f"# fusenorm match report: graph {self.graph_id}", "", "## Rewritten", ""]
+        lines = [f"# fusenorm match report: graph {self.graph_id}", ""]
+        if self.cache_hit:
+            lines += ["## Served from Inductor's cache", "", _cache_hit_text(self.cache_hit), ""]
+        lines += ["## Rewritten", ""]
         if not self.rewrites:
             lines.append("(none)")
         for r in self.rewrites:
@@ -108,24 +131,179 @@ class GraphReport:
                 "skips": [asdict(s) for s in self.skips],
                 "errors": self.errors,
                 "dumps": sorted(self.dumps),
+                "cache_hit": self.cache_hit,
             },
             indent=1,
         )
 
     def write(self) -> Optional[str]:
-        """Write the report and the dumps under config.debug_dir; returns the directory or None."""
+        """Write the report and the dumps under this run's folder in config.debug_dir (then the run's index);
+        returns the graph's folder or None. Raises OSError where it cannot write safely (callers warn)."""
         if not config.debug_dir:
             return None
-        out = os.path.join(config.debug_dir, self.graph_id.replace("/", "_"))
-        os.makedirs(out, exist_ok=True)
-        for name, text in self.dumps.items():
-            with open(os.path.join(out, name), "w") as f:
-                f.write(text)
-        with open(os.path.join(out, "report.md"), "w") as f:
-            f.write(self.to_markdown())
-        with open(os.path.join(out, "report.json"), "w") as f:
-            f.write(self.to_json())
-        return out
+        _install_hooks()
+        run = _current_run()
+        name = self.graph_id.replace("/", "_")
+        with run.open() as run_fd:
+            if self._written_to is None or self._written_to[0] is not run:
+                os.mkdir(name, 0o700, dir_fd=run_fd)  # fails if anything (a link included) is there
+                with _open_dir(name, run_fd, where=run.path) as fd:
+                    os.fchmod(fd, 0o700)
+                    st = os.fstat(fd)
+                self._written_to = (run, (st.st_dev, st.st_ino))
+            with _open_dir(name, run_fd, where=run.path, expect=self._written_to[1]) as fd:
+                for file_name, text in self.dumps.items():
+                    _put(fd, file_name, text)
+                _put(fd, "report.md", self.to_markdown())
+                _put(fd, "report.json", self.to_json())
+            run.graphs[self.graph_id] = {
+                "graph_id": self.graph_id, "dir": name, "rewrites": len(self.rewrites), "skips": len(self.skips),
+                "errors": len(self.errors), "cache_hit": self.cache_hit,
+            }
+            _put(run_fd, "index.md", run.index_markdown())
+            _put(run_fd, "index.json", run.index_json())
+        return os.path.join(run.path, name)
+
+
+def _cache_hit_text(hits: dict[str, int]) -> str:
+    counts = ", ".join(f"{k.replace('_', ' ')} cache hits: {v}" for k, v in sorted(hits.items()) if v)
+    return (f"Inductor served this graph from its caches ({counts}). If it was compiled with fusenorm "
+            f"(`backend=\"fusenorm\"` or `fusenorm_inductor.enable()`), fusenorm's fusion passes did not run for it "
+            f"in this process: the cached code runs what the compile that filled the cache fused, and none of that "
+            f"is listed below. Set `TORCHINDUCTOR_FORCE_DISABLE_CACHES=1` to recompile every graph and get full "
+            f"reports.")
+
+
+# ---- writing without following links -------------------------------------------------------------------
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+@contextlib.contextmanager
+def _open_dir(name: str, dir_fd: Optional[int] = None, *, where: str = "", expect: Optional[tuple] = None
+              ) -> Iterator[int]:
+    """An fd of directory ``name`` (relative to ``dir_fd``), refusing a symbolic link (``O_NOFOLLOW``) and,
+    with ``expect``, any directory but the one of that (st_dev, st_ino)."""
+    if not (_O_NOFOLLOW and _O_DIRECTORY and os.open in os.supports_dir_fd):
+        raise OSError("fusenorm's debug dumps need O_NOFOLLOW and dir_fd support (a POSIX system)")
+    path = os.path.join(where, name)
+    if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+        raise OSError(f"{path} is a symbolic link: fusenorm writes its debug dumps only into real directories")
+    fd = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        if expect is not None:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != expect:
+                raise OSError(f"{path} was replaced since fusenorm created it; not writing there")
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _put(dir_fd: int, name: str, text: str) -> None:
+    """Write file ``name`` in the directory ``dir_fd``: a new file (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode
+    0600) renamed over the old one, so a link there is neither followed nor written through."""
+    try:
+        if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            raise OSError(f"{name} is a symbolic link: fusenorm does not write through links")
+    except FileNotFoundError:
+        pass
+    tmp = f".{name}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        with open(fd, "w", encoding="utf-8", closefd=False) as f:
+            f.write(text)
+    finally:
+        os.close(fd)
+    try:
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        os.unlink(tmp, dir_fd=dir_fd)
+        raise
+
+
+def _make_private_dirs(path: str) -> None:
+    """Create ``path`` and any missing parents with mode 0700 (existing ones are left as they are)."""
+    missing = []
+    while not os.path.lexists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+
+
+class _Run:
+    """This process's folder under one debug_dir: ``run-<time>-<pid>-<random>``, created new (``mkdir``
+    fails on anything already there), mode 0700."""
+
+    def __init__(self, base: str) -> None:
+        self.base, self.pid, self.started = base, os.getpid(), time.time()
+        self.graphs: dict[str, dict] = {}
+        created = not os.path.lexists(base)
+        _make_private_dirs(base)
+        with _open_dir(base) as base_fd:  # refuses a debug_dir that is a symbolic link
+            if created:
+                os.fchmod(base_fd, 0o700)
+            for _ in range(16):
+                stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.started))
+                self.name = f"run-{stamp}-{self.pid}-{secrets.token_hex(4)}"
+                try:
+                    os.mkdir(self.name, 0o700, dir_fd=base_fd)
+                    break
+                except FileExistsError:
+                    continue
+            else:
+                raise FileExistsError(f"no fresh run folder could be created in {base}")
+            with _open_dir(self.name, base_fd, where=base) as fd:
+                os.fchmod(fd, 0o700)
+                st = os.fstat(fd)
+        self.id = (st.st_dev, st.st_ino)
+        self.path = os.path.join(base, self.name)
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[int]:
+        """An fd of the run folder, checked to be the one created (through no link)."""
+        with _open_dir(self.base) as base_fd, _open_dir(self.name, base_fd, where=self.base, expect=self.id) as fd:
+            yield fd
+
+    def index_json(self) -> str:
+        started = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started))
+        return json.dumps({"pid": self.pid, "started": started, "graphs": list(self.graphs.values())}, indent=1)
+
+    def index_markdown(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        lines = [f"# fusenorm debug run: process {self.pid}, started {when}", "",
+                 "Graphs whose reports were written in this run, one folder each:", "",
+                 "| graph | rewritten | not rewritten | errors | note |", "|---|---|---|---|---|"]
+        for g in self.graphs.values():
+            note = "served from Inductor's cache: fusenorm's passes did not run" if g["cache_hit"] else ""
+            lines.append(f"| [{g['graph_id']}]({g['dir']}/report.md) | {g['rewrites']} | {g['skips']} | "
+                         f"{g['errors']} | {note} |")
+        lines += ["", "A graph Inductor serves from its caches (AOTAutograd / FX graph cache) is not recompiled, so "
+                  "fusenorm's passes do not run for it and its report lists nothing; run with "
+                  "`TORCHINDUCTOR_FORCE_DISABLE_CACHES=1` to recompile every graph and get full reports."]
+        return "\n".join(lines) + "\n"
+
+
+_run: Optional[_Run] = None
+
+
+def _current_run() -> _Run:
+    """This process's run folder under config.debug_dir, created at the first write (and anew after
+    ``clear()``, a change of debug_dir, or a fork)."""
+    global _run
+    base = os.path.abspath(os.path.expanduser(config.debug_dir))
+    if _run is None or _run.base != base or _run.pid != os.getpid():
+        _run = _Run(base)
+    return _run
 
 
 _current: Optional[GraphReport] = None
@@ -146,11 +324,80 @@ def for_stage(stage: str) -> GraphReport:
     """The report of the graph being compiled: a new one at the pre-grad stage or on a new compile id."""
     global _current
     cid = _compile_id()
+    _install_hooks()
     if _current is None or stage == "pre_grad" or not _current.graph_id.endswith(f"_{cid}"):
-        _current = GraphReport(graph_id=f"{next(_seq):03d}_{cid}")
-        _history.append(_current)
-        del _history[:-64]  # keep the last few for inspection; this is a debugging aid, not a log
+        _current = _new_report(cid)
     return _current
+
+
+def _new_report(cid: str) -> GraphReport:
+    global _made
+    rep = GraphReport(graph_id=f"{next(_seq):03d}_{cid}")
+    _history.append(rep)
+    del _history[:-64]  # keep the last few for inspection; this is a debugging aid, not a log
+    _made += 1
+    return rep
+
+
+# ---- graphs served from Inductor's caches ----------------------------------------------------------------
+# On a cache hit Inductor does not run the custom passes, so nothing above is called. Dynamo's compile
+# start/end callbacks see every frame compile: one whose AOTAutograd cache hits rose while it ran gets a report
+# saying so (from torch 2.13 the pre-grad pass runs after the cache lookup, so no report exists for it; up to
+# torch 2.12 the pre-grad pass ran before it, and its report is the one marked). torch._dynamo.reset() drops
+# the callbacks; they are installed again at the next pass run, write or clear().
+
+_made = 0  # reports created by for_stage so far
+_compile_start: Optional[tuple] = None  # (compile id, cache hits, _made) at the start of the current compile
+
+
+def _cache_hits() -> tuple[int, int]:
+    return (counters.get("aot_autograd", {}).get("autograd_cache_hit", 0),
+            counters.get("inductor", {}).get("fxgraph_cache_hit", 0))
+
+
+def _on_compile_start(args: Any) -> None:
+    global _compile_start
+    _compile_start = (str(args.compile_id), _cache_hits(), _made)
+
+
+def _on_compile_end(args: Any) -> None:
+    global _compile_start
+    start, _compile_start = _compile_start, None
+    if start is None or start[0] != str(args.compile_id):
+        return
+    aot, fx = (max(0, now - before) for now, before in zip(_cache_hits(), start[1]))
+    if not aot or not (config.debug_dir or log.isEnabledFor(logging.INFO)):
+        return
+    try:
+        _note_cache_hit(start[0], {"aot_autograd": aot, "fx_graph": fx}, _made - start[2])
+    except Exception as e:  # as the passes' debugging aids: a failure here never fails the compile
+        if not config.fallback_on_error:
+            raise
+        warnings.warn(f"fusenorm: writing the cache-hit report failed ({type(e).__name__}: {e}); the compile goes on")
+
+
+def _note_cache_hit(cid: str, hits: dict[str, int], made: int) -> None:
+    recent = _history[max(0, len(_history) - made):] if made else []  # the reports made during this compile
+    rep = next((r for r in reversed(recent) if r.graph_id.endswith(f"_{cid}")), None)
+    if rep is None and config.debug_dir:
+        rep = _new_report(cid)
+    log.info("fusenorm [%s] served from Inductor's cache (AOTAutograd cache hits: %d, FX graph cache hits: %d): "
+             "fusenorm's passes did not run", rep.graph_id if rep else cid, hits["aot_autograd"], hits["fx_graph"])
+    if rep is not None:
+        rep.cache_hit = hits
+        rep.write()
+
+
+def _install_hooks() -> None:
+    """Register the compile callbacks with Dynamo (again after a ``torch._dynamo.reset()``, which drops them)."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:  # a torch without compile callbacks: cache hits go unreported
+        return
+    if _on_compile_start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_on_compile_start)
+    if _on_compile_end not in callback_handler.end_callbacks:
+        callback_handler.register_end_callback(_on_compile_end)
 
 
 def reports() -> list[GraphReport]:
@@ -163,6 +410,12 @@ def last_report() -> Optional[GraphReport]:
 
 
 def clear() -> None:
-    global _current
+    """Forget the reports; the next write starts a new run folder."""
+    global _current, _run
     _current = None
+    _run = None
     _history.clear()
+    _install_hooks()
+
+
+_install_hooks()

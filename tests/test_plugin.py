@@ -115,7 +115,8 @@ def test_debug_dump_and_report(tmp_path):
     with config.patch(debug_dir=str(tmp_path)):
         assert_matches_eager(lambda: PostNormBlock(24, 40, residual="right"),
                              (torch.randn(2, 9, 24), torch.randn(2, 9, 40)), torch.float32, "cpu")
-    (graph_dir,) = list(tmp_path.iterdir())
+    (run_dir,) = list(tmp_path.iterdir())  # one run folder per process (run-<time>-<pid>-<random>)
+    (graph_dir,) = [p for p in run_dir.iterdir() if p.is_dir()]
     names = {p.name for p in graph_dir.iterdir()}
     for stage in ("pre_grad", "joint", "forward", "backward"):
         assert {f"{stage}.before.py", f"{stage}.after.py"} <= names
