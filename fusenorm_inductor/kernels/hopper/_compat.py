@@ -23,14 +23,18 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    # Renamed upstream after 3.6 (async_load / async_store); the 3.6 names are kept as aliases for a while.
-    tma_load = getattr(tma, "async_copy_global_to_shared", None) or tma.async_load
-    tma_store = getattr(tma, "async_copy_shared_to_global", None) or tma.async_store
+    # Renamed upstream after 3.6 (async_load / async_store). Newer releases keep the 3.6 names only as stubs
+    # that raise "... has been removed" at compile time (3.9), so the new names must win where they exist.
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # CTA-wide barrier (bar.sync): gl.thread_barrier on 3.6, gl.barrier() (cluster=False) from 3.9 on,
+    # where thread_barrier no longer exists.
+    thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     constexpr_function = gluon.constexpr_function
 except Exception as e:  # noqa: BLE001 - any failure means: no Gluon path on this triton
     GLUON_ERROR = f"{type(e).__name__}: {e}"
     gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
-    TensorDescriptor = tma_load = tma_store = constexpr_function = None
+    TensorDescriptor = tma_load = tma_store = thread_barrier = constexpr_function = None
 
 
 def available() -> bool:

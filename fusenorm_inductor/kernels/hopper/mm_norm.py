@@ -28,7 +28,18 @@ import torch
 from torch import Tensor
 
 from . import launch as L
-from ._compat import GLUON_ERROR, TensorDescriptor, cluster_arrive, cluster_wait, gl, gluon, mbarrier, tma, tma_load
+from ._compat import (
+    GLUON_ERROR,
+    TensorDescriptor,
+    cluster_arrive,
+    cluster_wait,
+    gl,
+    gluon,
+    mbarrier,
+    thread_barrier,
+    tma,
+    tma_load,
+)
 from .epilogues import load_vector, stage_store, tile_index
 from .gemm_core import gemm_ws
 
@@ -124,7 +135,7 @@ def _mm_norm_epilogue(acc, off_m, off_n, rank, c_bufs, buf0: gl.constexpr, epi_b
         tma_load(res_desc, [off_m, off_n], epi_bar, buf)
         mbarrier.wait(epi_bar, it & 1)
         h = h + buf.load(layout).to(gl.float32)
-        gl.thread_barrier()  # every thread has read the tile before any stages y into it
+        thread_barrier()  # every thread has read the tile before any stages y into it
     if NORM:
         if C == 1:
             if IS_RMS:

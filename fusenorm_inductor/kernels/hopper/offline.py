@@ -76,7 +76,11 @@ def _compile_one(v: dict) -> dict:
         return dict(v, ok=True, registers=c.registers, spill_bytes=c.spill_bytes, shared=c.shared,
                     cluster_barrier="barrier.cluster.arrive" in c.ptx and "barrier.cluster.wait" in c.ptx)
     except Exception as e:  # noqa: BLE001 - reported per variant
-        return dict(v, ok=False, error=f"{type(e).__name__}: {str(e)[-2000:]}")
+        root = e
+        while root.__cause__ is not None:  # a CompilationError's text is the kernel source; the cause says why
+            root = root.__cause__
+        return dict(v, ok=False, error=f"{type(root).__name__}: {str(root)[-1500:]} (in {type(e).__name__}: "
+                                       f"{str(e)[-500:]})")
 
 
 def main(argv=None) -> int:
