@@ -22,6 +22,7 @@ reference path and the report says so); ``candidates`` lists the configurations 
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -292,10 +293,14 @@ def candidates(a: Tensor, b: Tensor, save_normed: bool) -> list:
     return [c for c in out if c is not None and c.stages >= 2]
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple, bf16: bool):
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if bf16 else gl.float16)
+
+
 def _descriptor(t: Tensor, block: list):
-    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return TensorDescriptor.from_tensor(t, block, layout)
+    """A host TMA descriptor of the 2-D tensor t with this box (the layout object is made once per box)."""
+    return TensorDescriptor.from_tensor(t, block, _smem_layout(tuple(block), t.dtype == torch.bfloat16))
 
 
 def _padded(v: Optional[Tensor], bn: int) -> Optional[Tensor]:
