@@ -62,43 +62,114 @@ def call(graph: fx.Graph, target: Callable, *args: Any, **kwargs: Any) -> Node:
     return node
 
 
-def snapshot(graph: fx.Graph) -> dict[Node, tuple]:
-    """What each node computes from what (its target, args and kwargs objects, which FX replaces on any
-    change): ``refresh_values`` finds from it the nodes a rewrite touched."""
-    return {n: (n.target, n.args, n.kwargs) for n in graph.nodes}
+class ValueSnapshot:
+    """The state of a graph before a rewrite, from which ``refresh_values`` finds the nodes the rewrite
+    created or rewired: Inductor's ``FakeTensorUpdater`` (its node hashes: target, args and kwargs, which FX
+    replaces on any change), made when the snapshot is taken, and each node's (target, args, kwargs)."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.graph = graph
+        self.nodes = {n: (n.target, n.args, n.kwargs) for n in graph.nodes}
+        self.updater = _fake_tensor_updater(graph)
+
+    def touched(self, node: Node) -> bool:
+        """Whether the rewrite created this node or changed what it computes from what."""
+        u = self.updater
+        if hasattr(u, "hash_node") and hasattr(u, "processed_hashes"):
+            return u.hash_node(node) not in u.processed_hashes
+        old = self.nodes.get(node)
+        return old is None or old[0] is not node.target or old[1] is not node.args or old[2] is not node.kwargs
 
 
-def refresh_values(graph: fx.Graph, before: dict[Node, tuple]) -> int:
-    """Recompute the example values of the nodes a rewrite created or rewired, and of everything downstream.
+class _GraphHolder(torch.nn.Module):
+    """A module that only holds ``graph``: what FakeTensorUpdater reads of a GraphModule, for a graph that
+    has none (built by hand, in tests)."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        super().__init__()
+        self.graph = graph
+
+
+def _fake_tensor_updater(graph: fx.Graph):
+    """Inductor's FakeTensorUpdater for the graph. torch 2.11 takes the fx.Graph, later versions the
+    GraphModule that owns it (to update subgraphs too): the parameter's name tells which."""
+    import inspect
+
+    from torch._inductor.fx_utils import FakeTensorUpdater
+
+    # torch 2.11's updater reads torch._inductor.fx_passes.reinplace as an attribute: make sure it is loaded
+    # (compile_fx loads it through post_grad; a graph refreshed outside a compile may come first).
+    import torch._inductor.fx_passes.reinplace  # noqa: F401
+
+    params = list(inspect.signature(FakeTensorUpdater.__init__).parameters)[1:]
+    if params and params[0] == "graph":
+        return FakeTensorUpdater(graph)
+    gm = graph.owning_module
+    if gm is None or getattr(gm, "graph", None) is not graph:
+        gm = _GraphHolder(graph)
+    return FakeTensorUpdater(gm)
+
+
+def snapshot(graph: fx.Graph) -> ValueSnapshot:
+    """Take before a rewrite what ``refresh_values`` needs after it (see ValueSnapshot)."""
+    return ValueSnapshot(graph)
+
+
+class StaleValueError(RuntimeError):
+    """A node's example value could not be recomputed after a rewrite: the pass must fail (the graph falls
+    back whole) rather than hand a stale value to the partitioner."""
+
+
+def refresh_values(graph: fx.Graph, before: ValueSnapshot) -> int:
+    """Recompute the example values (meta['val']) of the nodes a rewrite created or rewired, and of
+    everything downstream, with Inductor's FakeTensorUpdater (the machinery its own post-grad passes use:
+    it runs each op on its inputs' fake tensors in the graph's fake mode and rebinds unbacked symbols).
 
     A rewrite gives the users of a replaced node a new input, but their values were computed from the old
     one; in particular a view of the old output does not share storage with the new one. AOTAutograd reads
     aliasing from these values: a tensor saved for the backward that (per the values) no user output aliases
     is donated to the backward, which may then overwrite it in place, and so overwrite the user's output that
     really is a view of it (seen with a norm decomposed back to aten ops whose output is returned through a
-    reshape: the backward wrote over the returned tensor). Returns the number of nodes updated."""
-    from torch._dispatch.python import enable_python_dispatcher
+    reshape: the backward wrote over the returned tensor).
+
+    The values to recompute are dropped first, so the updater must produce each of them anew: one it skips
+    (an input without a value, a target it does not run) or one whose op raises raises StaleValueError
+    here, and the pass fails instead of going on with stale metadata. Returns the number of nodes refreshed.
+    Only graphs whose values are meta['val'] (AOT graphs; Dynamo's example_value graphs are traced again)."""
+    from torch._inductor.virtualized import V
 
     mode = fake_mode_of(graph)
-    if mode is None:
+    if mode is None:  # no example values at all: nothing can be stale
         return 0
-    key = _meta_key(graph)
-    dirty: set[Node] = set()
-    for n in graph.nodes:
-        old = before.get(n)
-        touched = old is None or old[0] is not n.target or old[1] is not n.args or old[2] is not n.kwargs
-        if n.op != "call_function" or not (touched or any(a in dirty for a in n.all_input_nodes)):
+    if _meta_key(graph) != "val":
+        raise StaleValueError("fusenorm: refresh_values needs a graph whose example values are meta['val']")
+    roots = [n for n in graph.nodes if n.op == "call_function" and before.touched(n)]
+    stale: dict[Node, None] = {}
+    pending = list(roots)
+    while pending:
+        n = pending.pop()
+        if n in stale or n.op != "call_function":
             continue
-        if "unbacked_bindings" in n.meta:  # running it again would mint new unbacked symbols: keep its value
-            continue
-        try:
-            with mode, enable_python_dispatcher():
-                new = n.target(*tree_map(val, n.args), **tree_map(val, n.kwargs))
-        except Exception:  # an op that cannot run on the stored values (none known): keep its value
-            continue
-        n.meta[key] = new
-        dirty.add(n)
-    return len(dirty)
+        stale[n] = None
+        pending.extend(n.users)
+    if not stale:
+        return 0
+    for n in stale:
+        n.meta.pop("val", None)
+    try:
+        with V.set_fake_mode(mode):
+            before.updater.incremental_update()
+    except Exception as e:
+        raise StaleValueError(
+            f"fusenorm: recomputing the example values after the rewrite failed ({type(e).__name__}: {e})"
+        ) from e
+    missing = [n for n in graph.nodes if n in stale and "val" not in n.meta]
+    if missing:
+        names = ", ".join(n.format_node() for n in missing[:3])
+        raise StaleValueError(
+            f"fusenorm: no example value could be computed for {len(missing)} node(s) after the rewrite: {names}"
+        )
+    return len(stale)
 
 
 def getitems(graph: fx.Graph, node: Node, count: int) -> list[Node]:

@@ -90,10 +90,16 @@ class FusenormPass(CustomGraphPass):
         dumps_before = _debug_aid(lambda: _render_parts(graph, self.stage), "graph dump") if config.debug_dir else None
         backup = _copy_graph(graph) if config.fallback_on_error else None
         recorded = (len(rep.rewrites), len(rep.skips))
-        nodes_before = fx_utils.snapshot(graph)
         try:
+            # The partitioner and AOTAutograd's buffer donation read the joint graph's example values,
+            # aliasing included: those of the nodes the rewrites touched, and of everything downstream, are
+            # recomputed (fx_utils.refresh_values says why); one that cannot be fails the pass, so no stale
+            # value goes on. The pre-grad graph needs none: AOTAutograd traces it again.
+            nodes_before = fx_utils.snapshot(graph) if self.stage == "joint" else None
             run_stage(self.stage, graph, rep)
             graph.lint()
+            if nodes_before is not None:
+                fx_utils.refresh_values(graph, nodes_before)
         except Exception as e:  # a failed pass must never fail the user's compile
             if backup is None:
                 raise
@@ -108,7 +114,11 @@ class FusenormPass(CustomGraphPass):
                 from .patterns import decompose_all
 
                 try:
+                    # The restored graph carries the values it came with; those of the decomposition's
+                    # nodes (and downstream) are recomputed.
+                    nodes_before = fx_utils.snapshot(graph)
                     decompose_all(graph)
+                    fx_utils.refresh_values(graph, nodes_before)
                 except Exception as e2:
                     # The decomposition itself failed (a failure in it is also what sends us here): the
                     # graph is restored once more and the canonical ops stay, running their reference
@@ -118,11 +128,6 @@ class FusenormPass(CustomGraphPass):
                            f"as fusenorm's reference ops")
                     rep.errors.append(msg)
                     warnings.warn(f"fusenorm: {msg}")
-        if self.stage == "joint":
-            # The partitioner and AOTAutograd's buffer donation read the nodes' example values, aliasing
-            # included: bring those downstream of the rewrites up to date (fx_utils.refresh_values says why).
-            # The pre-grad graph needs none: AOTAutograd traces it again.
-            fx_utils.refresh_values(graph, nodes_before)
         if config.debug_dir:
             after = _debug_aid(lambda: _render_parts(graph, self.stage), "graph dump") or {}
             rep.dumps.update({f"{part}.before.py": text for part, text in (dumps_before or {}).items()})
