@@ -1,9 +1,10 @@
 """Pre-grad patterns: every way users write a LayerNorm or RMSNorm becomes one ``fusenorm::norm`` call.
 
 Runs on Dynamo's torch-level graph (``pre_grad_custom_pass``): ``nn.LayerNorm``/``F.layer_norm``/
-``torch.layer_norm``, ``nn.RMSNorm``/``F.rms_norm``/``torch.rms_norm``, and the hand-written LLaMA RMSNorm
-(``x.float()``, ``pow(2).mean(-1, keepdim=True)``, ``+ eps``, ``rsqrt``, ``*``, optional cast back and
-``weight *``). The output dtype is read from the traced example value, so autocast's choices (LayerNorm
+``torch.layer_norm``, ``nn.RMSNorm``/``F.rms_norm``/``torch.rms_norm``, and the hand-written norms of HF
+models: the LLaMA RMSNorm (``x.float()``, ``pow(2).mean(-1, keepdim=True)``, ``+ eps``, ``rsqrt``, ``*``,
+optional cast back and ``weight *``), T5's (rsqrt times the uncast x), Gemma's (``* (1 + w)``, then the cast)
+and the GPT-2/BERT/ViT LayerNorm (``(x - u) / sqrt(var + eps)``, ``weight *``, ``+ bias``). The output dtype is read from the traced example value, so autocast's choices (LayerNorm
 kept in fp32 on CUDA) are preserved exactly: the canonical op computes in fp32 and writes that dtype.
 """
 
@@ -161,67 +162,142 @@ def _casts_dtype_only(node: Node) -> bool:
     return isinstance(dtype, torch.dtype) and len(node.args) <= 2 and set(node.kwargs) <= {"dtype"}
 
 
-class LlamaRMSNorm(Pattern):
-    """``x * rsqrt(mean(x^2, -1, keepdim) + eps)`` [``.to(dtype)``] [``* weight``], x often ``h.float()``."""
+def _is_const(v: Any, value: float) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and float(v) == value
 
-    name = "canonical_llama_rms_norm"
+
+def _is_cast(node: Any) -> bool:
+    """``t.type_as(u)`` or ``t.to(dtype)`` (nothing else): a dtype cast the canonical op's ``out_dtype`` absorbs."""
+    return isinstance(node, Node) and (_is(node, "type_as") or (_is(node, "to") and _casts_dtype_only(node)))
+
+
+def _mul_other(mul: Node, operand: Node) -> Any:
+    """The other operand of the binary ``mul`` that reads ``operand`` (or None)."""
+    if not (_is(mul, "mul", operator.mul, torch.mul) and len(mul.args) == 2 and not mul.kwargs):
+        return None
+    a, b = mul.args
+    return b if a is operand else a if b is operand else None
+
+
+def _one_plus(w: Any) -> bool:
+    """``1 + w`` / ``w + 1`` with w a tensor: Gemma's weight, stored as an offset from 1."""
+    if not (_is(w, "add", operator.add, torch.add) and len(w.args) == 2 and not w.kwargs):
+        return False
+    a, b = w.args
+    return (_is_const(a, 1.0) and isinstance(b, Node)) or (_is_const(b, 1.0) and isinstance(a, Node))
+
+
+def _affine(end: Node, xv: torch.Tensor, what: str) -> tuple[Node, Any]:
+    """An optional ``* weight`` after ``end`` (the normalized value): (new end, weight or None). A multiplier of
+    lower rank than x that is not a [N] vector is not a per-feature weight: rejected (not left outside), since
+    the norm it scales is not a form fusenorm knows."""
+    nxt = fx_utils.single_user(end)
+    other = _mul_other(nxt, end) if nxt is not None else None
+    ov = val(other) if isinstance(other, Node) else None
+    if not isinstance(ov, torch.Tensor):
+        return end, None
+    if tuple(ov.shape) == (xv.shape[-1],):
+        return nxt, other
+    require(not (1 <= ov.dim() < xv.dim()),
+            f"{what} multiplied by a tensor of shape {tuple(ov.shape)}, not a weight of the last dim "
+            f"({xv.shape[-1]},)")
+    return end, None
+
+
+def _rms_parts(rsqrt: Node) -> tuple[Any, Any, Any, Any]:
+    """Structure only: (denominator, mean, square, base) of ``rsqrt(mean(base^2) [+ eps])``, None where absent."""
+    denom = rsqrt.args[0] if rsqrt.args else None
+    ms = denom
+    if _is(denom, "add", operator.add, torch.add) and len(denom.args) == 2:
+        ms = denom.args[0] if isinstance(denom.args[1], (int, float)) else denom.args[1]
+    if not _is(ms, "mean", torch.mean) or not ms.args:
+        return denom, None, None, None
+    sq = ms.args[0]
+    return denom, ms, sq, (_square_base(sq) if isinstance(sq, Node) else None)
+
+
+def _square_base(sq: Node) -> Optional[Node]:
+    if _is(sq, "pow", torch.pow, operator.pow) and len(sq.args) == 2 and sq.args[1] == 2:
+        return sq.args[0]
+    if _is(sq, "square", torch.square) and len(sq.args) == 1:
+        return sq.args[0]
+    if _is(sq, "mul", operator.mul, torch.mul) and len(sq.args) == 2 and sq.args[0] is sq.args[1]:
+        return sq.args[0]
+    return None
+
+
+def _rms_form(rsqrt: Node) -> str:
+    """Which named hand-written RMSNorm an ``rsqrt`` node starts, from its structure alone (the guards come in
+    ``match``, so a near-miss is reported under the pattern of the form it resembles)."""
+    _, _, _, x = _rms_parts(rsqrt)
+    mul = fx_utils.single_user(rsqrt)
+    other = _mul_other(mul, rsqrt) if mul is not None else None
+    if x is not None and other is not None and other is not x and _float_cast_source(x) is other:
+        return "t5"
+    if mul is not None and other is not None:
+        end = mul
+        nxt = fx_utils.single_user(end)
+        if _is_cast(nxt):
+            end, nxt = nxt, fx_utils.single_user(nxt)
+        w = _mul_other(nxt, end) if nxt is not None else None
+        if _one_plus(w):
+            return "gemma"
+    return "llama"
+
+
+class _HandRMSNorm(Pattern):
+    """``x * rsqrt(mean(x^2, -1, keepdim) + eps)`` [cast] [``* weight``] [cast]: the shared matcher of the
+    hand-written RMSNorms; each subclass takes the rsqrt nodes of its form (``_rms_form``)."""
+
     stage = "pre_grad"
     switch = "canonicalize_norms"
+    form = ""
 
     def candidates(self, graph: fx.Graph) -> Iterable[Node]:
-        return [n for n in graph.nodes if _is(n, "rsqrt", torch.rsqrt)]
+        return [n for n in graph.nodes if _is(n, "rsqrt", torch.rsqrt) and _rms_form(n) == self.form]
 
     def match(self, rsqrt: Node) -> dict[str, Any]:
-        denom = rsqrt.args[0]
+        denom, ms, sq, x = _rms_parts(rsqrt)
         require(_is(denom, "add", operator.add, torch.add) and len(denom.args) == 2 and not denom.kwargs,
                 "rsqrt of something other than mean(x^2) + eps")
-        ms, eps = (denom.args if isinstance(denom.args[1], (int, float)) else denom.args[::-1])
+        eps = denom.args[1] if isinstance(denom.args[1], (int, float)) else denom.args[0]
         require(isinstance(eps, (int, float)), "rsqrt(... + eps) with a non-constant eps")
-        require(_is(ms, "mean", torch.mean), "rsqrt of something other than mean(x^2) + eps")
+        require(ms is not None, "rsqrt of something other than mean(x^2) + eps")
         dims = ms.args[1] if len(ms.args) > 1 else ms.kwargs.get("dim")
         keep = ms.args[2] if len(ms.args) > 2 else ms.kwargs.get("keepdim", False)
-        sq = ms.args[0]
-        x = self._square_base(sq)
         require(x is not None, "mean of something other than x^2")
         xv = val(x)
-        require(fx_utils.is_static(xv), "dynamic shapes: left to Inductor")
+        require(isinstance(xv, torch.Tensor) and fx_utils.is_static(xv), "dynamic shapes: left to Inductor")
         last = xv.dim() - 1
         dims = dims if isinstance(dims, (list, tuple)) else [dims]
         require(keep and len(dims) == 1 and dims[0] in (-1, last), "mean is not over the last dim with keepdim")
         require(len(ms.users) == 1 and len(denom.users) == 1 and len(sq.users) == 1 and len(rsqrt.users) == 1,
                 "intermediate results of the RMSNorm are used elsewhere")
         mul = next(iter(rsqrt.users))
-        require(_is(mul, "mul", operator.mul, torch.mul) and set(mul.args) == {x, rsqrt},
-                "rsqrt(...) is not multiplied by the normalized input")
-        # Optional cast back, then optional `weight *`.
-        end, cast, weight = mul, None, None
-        nxt = fx_utils.single_user(end)
-        if nxt is not None and (_is(nxt, "type_as") or (_is(nxt, "to") and _casts_dtype_only(nxt))):
-            cast, end = nxt, nxt
-            nxt = fx_utils.single_user(end)
-        if nxt is not None and _is(nxt, "mul", operator.mul, torch.mul) and len(nxt.args) == 2:
-            other = nxt.args[0] if nxt.args[1] is end else nxt.args[1]
-            ov = val(other)
-            if isinstance(other, Node) and isinstance(ov, torch.Tensor) and tuple(ov.shape) == (xv.shape[-1],):
-                weight, end = other, nxt
+        xin = _mul_other(mul, rsqrt)
         src = _float_cast_source(x)
+        # T5 multiplies the uncast input (x, not x.float()): x.float() * r, exactly, by type promotion.
+        require(xin is not None and (xin is x or (src is not None and xin is src)),
+                "rsqrt(...) is not multiplied by the normalized input")
+        # Optional cast, optional `* weight`, optional cast: the canonical op computes hh * w in fp32 and
+        # rounds once, to the dtype of the last node it replaces.
+        end, nodes = mul, [sq, ms, denom, rsqrt, mul]
+        if _is_cast(fx_utils.single_user(end)):
+            end = fx_utils.single_user(end)
+            nodes.append(end)
+        end, weight = _affine(end, xv, "the RMSNorm is")
+        if weight is not None:
+            nodes.append(end)
+            if _is_cast(fx_utils.single_user(end)):
+                end = fx_utils.single_user(end)
+                nodes.append(end)
+        if self.form == "gemma":
+            require(weight is not None and _one_plus(weight), "the weight is not 1 + w")
         source = src if src is not None and val(src).dtype in _SUPPORTED_DTYPES else x
-        require(val(source).dtype in _SUPPORTED_DTYPES, f"dtype {val(source).dtype} not supported")
-        nodes = [sq, ms, denom, rsqrt, mul]
-        nodes += [cast] if cast is not None else []
-        nodes += [end] if weight is not None else []
+        require(val(source).dtype in _SUPPORTED_DTYPES and (xin is x or xin is source),
+                f"dtype {val(xin).dtype} not supported")
         nodes += [x] if source is not x else []  # the fp32 upcast: the canonical op reads `source` itself
         return {"x": source, "eps": float(eps), "weight": weight, "end": end, "nodes": nodes}
-
-    @staticmethod
-    def _square_base(sq: Node) -> Optional[Node]:
-        if _is(sq, "pow", torch.pow, operator.pow) and len(sq.args) == 2 and sq.args[1] == 2:
-            return sq.args[0]
-        if _is(sq, "square", torch.square) and len(sq.args) == 1:
-            return sq.args[0]
-        if _is(sq, "mul", operator.mul, torch.mul) and len(sq.args) == 2 and sq.args[0] is sq.args[1]:
-            return sq.args[0]
-        return None
 
     def rewrite(self, graph: fx.Graph, m: dict[str, Any], rep: GraphReport) -> None:
         end = m["end"]
@@ -233,4 +309,126 @@ class LlamaRMSNorm(Pattern):
                     "fusenorm::norm (canonical)", f"eps={m['eps']}, weight={'yes' if m['weight'] else 'no'}")
 
 
-PRE_GRAD_PATTERNS = (LayerNormCall(), RMSNormCall(), LlamaRMSNorm())
+class LlamaRMSNorm(_HandRMSNorm):
+    """HF LLaMA/Mistral/Qwen: ``w * (x.float() * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)``;
+    the casts optional (fp32 models: no-op ``.to(float32)`` or none at all), the weight optional (a [N] vector;
+    before or after the cast back). x^2 may be ``pow(2)``, ``square`` or ``x * x``."""
+
+    name = "canonical_llama_rms_norm"
+    form = "llama"
+
+
+class T5RMSNorm(_HandRMSNorm):
+    """HF T5 (``T5LayerNorm``): the statistic from ``x.to(float32)`` but rsqrt multiplies the uncast x
+    (``x * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)``, fp32 by type promotion), then the optional
+    cast to the weight's dtype and ``weight *``."""
+
+    name = "canonical_t5_rms_norm"
+    form = "t5"
+
+
+class GemmaRMSNorm(_HandRMSNorm):
+    """HF Gemma: ``(x.float() * rsqrt(mean(x.float()^2) + eps) * (1.0 + w.float())).type_as(x)``. The canonical
+    op gets the fp32 ``1 + w`` node (computed in the graph) as its weight: it computes ``hh * weight`` in fp32 and
+    rounds once to x's dtype, which is exactly Gemma's arithmetic; the gradient reaches w through the add."""
+
+    name = "canonical_gemma_rms_norm"
+    form = "gemma"
+
+
+# ---- the hand-written LayerNorm ---------------------------------------------------------------------------
+
+
+def _last_dim_keep(node: Node, xv: torch.Tensor, dim_pos: int = 1, keep_pos: int = 2) -> bool:
+    """A reduction ``node`` over the last dim of xv only, with keepdim."""
+    dims = node.args[dim_pos] if len(node.args) > dim_pos else node.kwargs.get("dim")
+    keep = node.args[keep_pos] if len(node.args) > keep_pos else node.kwargs.get("keepdim", False)
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    return keep is True and len(dims) == 1 and dims[0] in (-1, xv.dim() - 1)
+
+
+class ManualLayerNorm(Pattern):
+    """The LayerNorm of older GPT-2/BERT/ViT code: ``u = x.mean(-1, keepdim=True)``, ``s = (x - u).pow(2).mean(-1,
+    keepdim=True)`` (or ``x.var(-1, keepdim=True, unbiased=False)`` / ``correction=0``), ``(x - u) / sqrt(s + eps)``,
+    then optional ``weight *`` and ``+ bias`` ([N] vectors). ``x - u`` may be one node or written twice."""
+
+    name = "canonical_manual_layer_norm"
+    stage = "pre_grad"
+    switch = "canonicalize_norms"
+
+    def candidates(self, graph: fx.Graph) -> Iterable[Node]:
+        return [n for n in graph.nodes if _is(n, "sqrt", torch.sqrt) and len(n.users) == 1
+                and _is(next(iter(n.users)), "div", operator.truediv, torch.div)]
+
+    @staticmethod
+    def _centered(d: Any) -> tuple[Any, Any]:
+        """(x, u) of ``d = x - u`` with ``u = x.mean(...)``, else (None, None)."""
+        if not (_is(d, "sub", operator.sub, torch.sub) and len(d.args) == 2 and not d.kwargs):
+            return None, None
+        x, u = d.args
+        if not (_is(u, "mean", torch.mean) and u.args and u.args[0] is x):
+            return None, None
+        return x, u
+
+    def match(self, sqrt: Node) -> dict[str, Any]:
+        div = next(iter(sqrt.users))
+        require(len(div.args) == 2 and div.args[1] is sqrt and not div.kwargs, "sqrt(...) is not a divisor")
+        d = div.args[0]
+        x, u = self._centered(d)
+        require(x is not None, "the numerator is not x - x.mean(...)")
+        xv = val(x)
+        require(isinstance(xv, torch.Tensor) and fx_utils.is_static(xv), "dynamic shapes: left to Inductor")
+        require(xv.dtype in _SUPPORTED_DTYPES, f"dtype {xv.dtype} not supported (fp32/fp16/bf16 only)")
+        require(_last_dim_keep(u, xv), "mean is not over the last dim with keepdim")
+        denom = sqrt.args[0]
+        require(_is(denom, "add", operator.add, torch.add) and len(denom.args) == 2 and not denom.kwargs,
+                "sqrt of something other than var + eps")
+        v, eps = denom.args if isinstance(denom.args[1], (int, float)) else denom.args[::-1]
+        require(isinstance(eps, (int, float)) and not isinstance(eps, bool), "sqrt(... + eps) with a non-constant eps")
+        inner = [denom]
+        if _is(v, "var", torch.var):
+            require(v.args and v.args[0] is x, "variance of something other than x")
+            require(_last_dim_keep(v, xv, keep_pos=3), "variance is not over the last dim with keepdim")
+            unbiased = v.args[2] if len(v.args) > 2 else v.kwargs.get("unbiased", None)
+            correction = v.kwargs.get("correction", None)
+            biased = unbiased is False or (unbiased is None and correction is not None and correction == 0)
+            require(biased, "unbiased variance (LayerNorm divides by N: unbiased=False or correction=0)")
+            inner.append(v)
+        else:
+            require(_is(v, "mean", torch.mean) and v.args, "sqrt of something other than var + eps")
+            sq = v.args[0]
+            d2 = _square_base(sq) if isinstance(sq, Node) else None
+            require(d2 is not None and self._centered(d2) == (x, u), "variance is not mean((x - u)^2)")
+            require(_last_dim_keep(v, xv), "variance mean is not over the last dim with keepdim")
+            inner += [v, sq] + ([d2] if d2 is not d else [])
+        inner += [sqrt, d, u]
+        end, nodes = div, [div]
+        end, weight = _affine(end, xv, "the LayerNorm is")
+        nodes += [end] if weight is not None else []
+        bias = None
+        nxt = fx_utils.single_user(end)
+        if _is(nxt, "add", operator.add, torch.add) and len(nxt.args) == 2 and not nxt.kwargs:
+            other = nxt.args[1] if nxt.args[0] is end else nxt.args[0]
+            ov = val(other) if isinstance(other, Node) else None
+            if isinstance(ov, torch.Tensor) and tuple(ov.shape) == (xv.shape[-1],):
+                bias, end = other, nxt
+                nodes.append(end)
+        # The intermediates go with the norm: each is read only inside it.
+        mine = set(inner) | {div}
+        for n in inner:
+            require(not fx_utils.users_outside(n, mine), "intermediate results of the LayerNorm are used elsewhere")
+        return {"x": x, "eps": float(eps), "weight": weight, "bias": bias, "end": end,
+                "nodes": nodes + inner}
+
+    def rewrite(self, graph: fx.Graph, m: dict[str, Any], rep: GraphReport) -> None:
+        end = m["end"]
+        y = _insert_norm(graph, end, m["x"], m["weight"], m["bias"], m["eps"], False)
+        end.replace_all_uses_with(y)
+        fx_utils.erase_if_unused(graph, m["nodes"])
+        xv = val(m["x"])
+        rep.rewrite(self.name, self.stage, [n.name for n in m["nodes"]], {"x": list(xv.shape)}, xv.dtype,
+                    "fusenorm::norm (canonical)",
+                    f"eps={m['eps']}, weight={'yes' if m['weight'] else 'no'}, bias={'yes' if m['bias'] else 'no'}")
+
+
+PRE_GRAD_PATTERNS = (LayerNormCall(), RMSNormCall(), LlamaRMSNorm(), T5RMSNorm(), GemmaRMSNorm(), ManualLayerNorm())
