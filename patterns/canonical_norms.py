@@ -4,8 +4,9 @@ Runs on Dynamo's torch-level graph (``pre_grad_custom_pass``): ``nn.LayerNorm``/
 ``torch.layer_norm``, ``nn.RMSNorm``/``F.rms_norm``/``torch.rms_norm``, and the hand-written norms of HF
 models: the LLaMA RMSNorm (``x.float()``, ``pow(2).mean(-1, keepdim=True)``, ``+ eps``, ``rsqrt``, ``*``,
 optional cast back and ``weight *``), T5's (rsqrt times the uncast x), Gemma's (``* (1 + w)``, then the cast)
-and the GPT-2/BERT/ViT LayerNorm (``(x - u) / sqrt(var + eps)``, ``weight *``, ``+ bias``). The output dtype is read from the traced example value, so autocast's choices (LayerNorm
-kept in fp32 on CUDA) are preserved exactly: the canonical op computes in fp32 and writes that dtype.
+and the GPT-2/BERT/ViT LayerNorm (``(x - u) / sqrt(var + eps)``, ``weight *``, ``+ bias``). The output
+dtype is read from the traced example value, so autocast's choices (LayerNorm kept in fp32 on CUDA) are
+preserved exactly: the canonical op computes in fp32 and writes that dtype.
 """
 
 from __future__ import annotations
