@@ -1,7 +1,7 @@
 """fusenorm's patterns, one named object each; ``run_stage`` applies those of a stage in order.
 
 pre_grad: canonical_layer_norm, canonical_rms_norm, canonical_llama_rms_norm, canonical_t5_rms_norm,
-canonical_gemma_rms_norm, canonical_manual_layer_norm (patterns/canonical_norms.py),
+          canonical_gemma_rms_norm, canonical_manual_layer_norm (patterns/canonical_norms.py),
           then attention_block, attention_block_dense (attention_block.py: they match the canonical norms)
 joint:    linear_norm_fwd (post_norm.py), norm_linear_fwd (pre_norm.py), dgrad_norm_bwd
           (dgrad_norm_backward.py), then the decomposition of canonical ops left unfused (decompose.py)
