@@ -1,6 +1,6 @@
 """FlashNormAttention benchmark (issue 5): the PFFN attention block, fused, against its two baselines.
 
-The block (algorithms.md section 5), norms over the H*D features of a token:
+The block (docs/algorithms.md section 5), norms over the H*D features of a token:
     ln_q = LayerNorm_{H*D}(q);  o = act(ln_q K^T) * scale @ V + ln_q;  out = RMSNorm_{H*D}(o) + q
 Q jagged [sum L, H, D] (B sequences, lengths uniform in [max(1, (2s - 1) Lmax), Lmax], sparsity s = 0.5),
 K/V dense [B, S, H, D], bf16, activation fast_gelu, scale 1, affine norms (weights ~ 1 + 0.1 randn, LN bias

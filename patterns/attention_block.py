@@ -1,5 +1,5 @@
 """``attention_block`` / ``attention_block_dense``: the FlashNormAttention (PFFN) block becomes one
-``fusenorm::flash_norm_attention`` call (algorithms.md section 5)::
+``fusenorm::flash_norm_attention`` call (docs/algorithms.md section 5)::
 
     ln_q = LayerNorm_{H*D}(q)            # over all heads of a token; affine optional
     o    = act(ln_q K^T) * scale @ V + ln_q

@@ -14,7 +14,7 @@
 Every output the launchers allocate is NaN-poisoned (gdpa_kernels._alloc), so an element no program writes
 fails. Kernel tolerances are per element, from the dtypes' unit roundoff times the magnitudes that carry each
 rounding (``error_bounds``), never a blanket atol. bf16 arithmetic is broken in the Triton 3.6 interpreter
-(platform.md): bf16 runs only on CUDA.
+(docs/platform.md): bf16 runs only on CUDA.
 """
 
 import importlib

@@ -6,7 +6,7 @@ non-contiguous operands, the scratch choices of the multi-tile path, |mean| >> s
 Every buffer the launchers allocate is poisoned with NaN, so an element a kernel fails to write fails.
 The cases, inputs, references, checks and tolerances are shared with test_kernels_cuda.py (kernel_cases.py).
 
-fp32 and fp16 only: bf16 arithmetic is broken in the Triton 3.6 interpreter (platform.md); bf16 and the
+fp32 and fp16 only: bf16 arithmetic is broken in the Triton 3.6 interpreter (docs/platform.md); bf16 and the
 larger shapes run in test_kernels_cuda.py. With CUDA present these tests are skipped (the device file covers
 the kernels there, and the interpreter must not be switched on in a GPU session).
 """
@@ -42,7 +42,7 @@ from . import kernel_cases as kc  # noqa: E402  (imports the kernel modules)
 from .kernel_cases import EPS, F16, F32, FWD_CASES, NORMS, Recording, bwd_k, fwd_k  # noqa: E402
 
 # The interpreter's `range(0, K, ...)` with a runtime K goes through a deprecated numpy conversion (the
-# reason numpy 2.4 breaks it, platform.md); not ours to fix.
+# reason numpy 2.4 breaks it, docs/platform.md); not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 TARGET = kc.Target(torch.device("cpu"), kc.INTERPRETER_TOL)

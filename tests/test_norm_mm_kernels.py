@@ -11,7 +11,7 @@ both norms, affine on/off; |mean| >> std; fp32 (pointer kernel, TF32 off).
 Every output the launcher allocates is NaN-poisoned, so an element no program writes fails the finiteness
 check. The oracle is the op's semantics computed in fp32 (fp64 for |mean| >> std and on CUDA); tolerances are
 per element, in units of the dtypes' roundoff times the magnitudes that carry each rounding (``bounds``).
-bf16 arithmetic is broken in the Triton 3.6 interpreter (platform.md): bf16 runs only on CUDA.
+bf16 arithmetic is broken in the Triton 3.6 interpreter (docs/platform.md): bf16 runs only on CUDA.
 """
 
 import importlib

@@ -1,6 +1,6 @@
 """The elementwise activations of GDPA (generalized dot-product attention: an activation instead of softmax).
 
-Shared by ``fusenorm::gdpa`` and ``fusenorm::flash_norm_attention`` (algorithms.md section 5). Each activation
+Shared by ``fusenorm::gdpa`` and ``fusenorm::flash_norm_attention`` (docs/algorithms.md section 5). Each activation
 has a torch reference (fp32 math; the ops' CPU implementation and the tests' oracle) and a Triton version
 selected by a constexpr code, with its derivative for the backward (dS = act'(S) * dP):
 

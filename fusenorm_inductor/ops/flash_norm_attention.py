@@ -1,4 +1,4 @@
-"""FlashNormAttention: the fused PFFN attention block (algorithms.md section 5), norms over all H*D features.
+"""FlashNormAttention: the fused PFFN attention block (docs/algorithms.md section 5), norms over all H*D features.
 
 For a jagged q [T, H, D] (sequence b owns tokens q_offsets[b] .. q_offsets[b+1]) and dense short k, v
 [B, S, H, D] (S <= 256), per token t of sequence b and head h, in fp32:
@@ -212,7 +212,7 @@ def flash_norm_attention_backward_reference(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """(dq, dk, dv, d_ln_weight, d_ln_bias, d_rms_weight) from the saved statistics and o (rms_in), explicit
-    formulas in fp32 (algorithms.md, Norms and section 5); gradients in their inputs' dtypes, None for a
+    formulas in fp32 (docs/algorithms.md, Norms and section 5); gradients in their inputs' dtypes, None for a
     missing weight. The same math as the Triton backward, for any device."""
     t, h, d = q.shape
     n = h * d

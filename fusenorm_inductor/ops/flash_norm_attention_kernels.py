@@ -1,9 +1,9 @@
-"""Triton kernels and launchers for ``fusenorm::flash_norm_attention`` (FlashNormAttention, algorithms.md
+"""Triton kernels and launchers for ``fusenorm::flash_norm_attention`` (FlashNormAttention, docs/algorithms.md
 section 5). Semantics, roundings and the backward's recompute: flash_norm_attention.py's module docstring.
 
 The cross-head problem. Both norms span all H*D features of a token, while attention is per head. The seed
 puts the H heads of a Q tile in H CTAs of a cluster that trade row sums through DSMEM; Triton 3.6 on Hopper
-has no DSMEM (platform.md). Here the sums over all heads run in **per-token kernels** (one program per
+has no DSMEM (docs/platform.md). Here the sums over all heads run in **per-token kernels** (one program per
 BLOCK_T tokens, looping over the heads), and the attention in **per-(Q tile, head) kernels** shaped like the
 GDPA kernels, which rebuild ln_q from q and the LayerNorm statistics on load:
 

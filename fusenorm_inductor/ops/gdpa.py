@@ -1,4 +1,4 @@
-"""GDPA, generalized dot-product attention: an elementwise activation instead of softmax (algorithms.md section 5).
+"""GDPA, generalized dot-product attention: an elementwise activation instead of softmax (docs/algorithms.md section 5).
 
 Per sequence b (tokens t in [q_offsets[b], q_offsets[b+1])) and head h:
     S[t, s] = sum_d q[t, h, d] k[b, s, h, d]

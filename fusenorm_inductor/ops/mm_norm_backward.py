@@ -1,5 +1,5 @@
 """Regrouped norm backward: ``dx = norm_backward(dy @ b + extra)`` in one GEMM with the norm's backward in
-its epilogue (algorithms.md section 4, "fusion regrouping").
+its epilogue (docs/algorithms.md section 4, "fusion regrouping").
 
 For ``n = norm(x); out = linear(n)``, the data gradient of the linear, ``dn = d_out @ W``, is a GEMM whose
 output feeds the norm's backward. Fusing the norm backward into that GEMM's epilogue keeps ``dn`` on chip;

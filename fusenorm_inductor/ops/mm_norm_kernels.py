@@ -13,7 +13,7 @@ weight or a row-major [K, N] matrix, 16-byte aligned rows), persistent TMA-fed k
 - "row" (N <= 256), ``_mm_norm_fwd_tma_kernel``: one tile holds whole rows; GEMM, bias/residual, two-pass
   statistics in registers, y/hh/mean/rstd (``_full_row_epilogue``), in a flattened persistent loop.
 - "spin" and "coop" (N > 256), ``_mm_norm_fwd_coop_kernel``: a row spans N_TILES tiles whose programs
-  cannot read each other's registers (no DSMEM in Triton 3.6, platform.md), so each tile publishes per-row
+  cannot read each other's registers (no DSMEM in Triton 3.6, docs/platform.md), so each tile publishes per-row
   partials (LayerNorm tile mean and M2, RMSNorm sum of squares) and bumps its row block's counter. "spin":
   the tiles of a row block run in the same wave and wait for each other, then normalize their own registers
   (the DSMEM exchange, through L2). "coop": nobody waits; each tile also writes its h to a scratch and the

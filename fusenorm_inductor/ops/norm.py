@@ -6,7 +6,7 @@ decomposed into ``var_mean``/``rsqrt``/... which look different per device and t
 joint-graph patterns match one node. Norms that find no GEMM partner are decomposed back into aten ops by
 the joint pass (``decomposition()`` below), so Inductor generates its usual code for them.
 
-Math (over the last dim, statistics in fp32; algorithms.md "Norms"):
+Math (over the last dim, statistics in fp32; docs/algorithms.md "Norms"):
     LayerNorm: mean = E[x], rstd = 1/sqrt(Var[x] + eps), hh = (x - mean) * rstd, y = hh * w + b
     RMSNorm:   rstd = 1/sqrt(E[x^2] + eps),          hh = x * rstd,          y = hh * w
     backward:  t = dy * w; dx = rstd * (t - E[t] - hh * E[t * hh])   (RMSNorm: no E[t] term)

@@ -5,7 +5,7 @@ Semantics are those of ``norm_mm_reference`` (norm_mm.py): the norm runs over a'
 mean (fp32 [M], 0-size for RMSNorm) and rstd (fp32 [M]) are returned for the backward.
 
 The norm is never applied to A. Row scaling commutes with the matmul, and the affine folds into B
-(algorithms.md section 2), so on the host (``fold_norm_affine``):
+(docs/algorithms.md section 2), so on the host (``fold_norm_affine``):
     b'     = weight[:, None] * b            rounded once to a's dtype (the tensor cores' operand type)
     bias'  = bias + norm_bias @ b           fp32 [N]
     colsum = sum_k b'[k, :]                 fp32 [N], from the *rounded* b', so the rank-1 correction below

@@ -9,7 +9,7 @@ Two questions, both answered by timing on the GPU once per shape and remembered 
    (the kernels' best guess) runs and nothing is cached.
 2. Whether to fuse at all (``forward_choice`` / ``backward_choice``, called by the patterns at compile time):
    the best fused time against the unfused path's time, estimated as cuBLAS's GEMM plus a norm at copy
-   speed (Inductor's norm kernels run at the copy bandwidth: baselines-h200.md), so the estimate is what
+   speed (Inductor's norm kernels run at the copy bandwidth: docs/baselines-h200.md), so the estimate is what
    plain Inductor does. Fusion is kept only when it is faster by ``config.tuning.margin``; otherwise the
    match report names the measured times and Inductor compiles the graph as it would without fusenorm.
 
@@ -293,7 +293,7 @@ def _gemm_ms(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> float:
 
 def _norm_proxy_ms(m: int, n: int, dtype: torch.dtype, passes: int, device: torch.device) -> Optional[float]:
     """The unfused norm's time, taken as ``passes`` streams of [m, n] elements at the copy bandwidth:
-    Inductor's norm kernels reach it on these shapes (baselines-h200.md). (torch's own ``copy_`` does not:
+    Inductor's norm kernels reach it on these shapes (docs/baselines-h200.md). (torch's own ``copy_`` does not:
     ~2.7 of ~4.2 TB/s on the H200, which would make the unfused path look slower than it is.) None when the
     bandwidth probe failed."""
     gbps = copy_bandwidth_gbps(device)
