@@ -201,7 +201,7 @@ def compare(make_model: Callable[[], nn.Module], batches: Sequence, loss_fn: Cal
             f"first step {r['first_step_s']:.1f} s, final loss {r['losses'][-1]:.5f}"
             + (f", peak {r['peak_mib']:.0f} MiB" if r["peak_mib"] is not None else ""))
     names = list(runs)
-    out = {"runs": runs, "steps": steps, "timed": timed}
+    out = {"runs": runs, "steps": steps, "timed": timed, "device": device}
     if len(names) >= 2:
         a, b = runs[names[0]], runs[names[1]]
         out["agreement"] = loss_agreement(a["losses"], b["losses"], dtype)
@@ -434,8 +434,10 @@ def plot_panels(axes, title: str, result: dict) -> None:
     ax_loss.set_title(f"{title}: loss" + (f" (final rel diff {agr['final_rel_diff']:.2g})" if agr else ""),
                       fontsize=8)
     ax_loss.set_xlabel("step", fontsize=7)
-    ax_t.set_title(f"{title}: step time, ms" + (f" (speedup {result['speedup']:.3f}x)" if result.get("speedup")
-                                                else ""), fontsize=8)
+    speed = f" (speedup {result['speedup']:.3f}x)" if result.get("speedup") else ""
+    if speed and result.get("device") == "cpu":
+        speed = f" (CPU wall clock, not a performance number: {result['speedup']:.3f}x)"
+    ax_t.set_title(f"{title}: step time, ms{speed}", fontsize=8)
     ax_t.set_xlabel("step", fontsize=7)
     for ax in axes:
         ax.legend(fontsize=6)

@@ -99,3 +99,15 @@ def test_report_summary_accounts_for_every_norm_site():
         "linear_norm_fwd: norm input is not a linear's output | norm_linear_fwd: left unfused: fusion would not win": 1}
     assert s["backward"] == {"fused": 1, "unfused": {"left unfused: fusion would not win": 1}}
     assert "UNACCOUNTED 2" in _common.format_summary(s)
+
+
+@pytest.mark.parametrize("device, caveat", [("cpu", True), ("cuda", False)])
+def test_plot_title_says_when_a_speedup_is_cpu_wall_clock(device, caveat):
+    from unittest import mock
+
+    run = {"losses": [1.0, 0.5], "step_ms": [9.0, 1.0, 1.0], "median_ms": 1.0}
+    result = {"runs": {"fusenorm": run, "inductor": run}, "timed": 1, "speedup": 1.25, "device": device}
+    ax_loss, ax_t = mock.MagicMock(), mock.MagicMock()
+    _common.plot_panels((ax_loss, ax_t), "mlp", result)
+    title = ax_t.set_title.call_args[0][0]
+    assert "1.250x" in title and ("not a performance number" in title) == caveat, title
