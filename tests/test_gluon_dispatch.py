@@ -130,3 +130,28 @@ def test_vectors_padded_to_whole_tiles():
 def test_register_budget():
     assert L.maxnreg(8) == 240 and L.maxnreg(12) == 168
     assert L.padded_warps(1) == 4 and L.padded_warps(8) == 8
+
+
+@pytest.mark.parametrize("n, kind, save, gemm_only", [(128, "gl_pp", True, False), (1024, "gl_cluster", True, False),
+                                                       (1024, "gl_cluster", False, True), (256, "gl_coop", False, False)])
+def test_kernel_args_fill_every_parameter(n, kind, save, gemm_only):
+    """The launcher's argument tuple has one value per kernel parameter (num_warps comes as an option), and its
+    compile-time values are those the offline compile builds (both come from launch_shape)."""
+    from fusenorm_inductor.ops._triton_common import GemmConfig
+
+    m, k = 300, 64
+    a = torch.randn(m, k).to(BF16)
+    b = torch.randn(n, k).to(BF16).t()
+    y, hh = torch.empty(m, n, dtype=BF16), torch.empty(m, n, dtype=BF16)
+    mean, rstd = torch.empty(m), torch.empty(m)
+    cfg = next(c for c in hopper.candidates(a, b, save) if c.kind == kind)
+    shape = hopper.launch_shape(cfg, n, save, gemm_only)
+    args = hopper.kernel_args(a, b, None, None, torch.ones(n), None, 1e-5, True, y, hh, mean, rstd, rstd, rstd, cfg,
+                              shape)
+    names = list(hopper.mm_norm_kernel.arg_names)
+    assert names[-1] == "num_warps" and len(args) == len(names) - 1
+    got = dict(zip(names, args))
+    assert (got["C"], got["NCONS"], got["NORM"], got["SYNC"], got["SAVE_NORMED"], got["LOAD_WARPS"]) == (
+        shape.cluster, shape.ncons, not gemm_only, shape.cluster > 1 and not gemm_only, save and not gemm_only,
+        4 if shape.sync else 1)
+    assert got["M"] == m and got["N"] == n and got["K"] == k and got["HAS_W"] and not got["HAS_BIAS"]

@@ -581,7 +581,10 @@ def mm_norm_triton(
                           config, gemm_only, lambda shape, dtype: _alloc(shape, dtype, dev))
             return y, hh, mean, rstd
         except SpillError:
-            config = forward_candidates(a, b, n, 4 if y.dtype == f32 else 2)[0]  # the tl kernels' first choice
+            from .tuning import forward_out_bytes
+
+            # the tl kernels' first choice
+            config = forward_candidates(a, b, n, forward_out_bytes(a, residual, out_dtype, save_normed))[0]
     if config.kind == "spin" and triton.cdiv(n, config.block_n) > num_sms(dev):
         tiles = triton.cdiv(n, config.block_n)
         raise ValueError(f"{config.label()}: a row block's {tiles} tiles cannot all be resident (spin exchange)")

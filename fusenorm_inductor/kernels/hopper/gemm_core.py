@@ -181,8 +181,6 @@ def gemm_ws(a_desc, b_desc, out_desc, M, N, K, EPILOGUE: gl.constexpr, eargs, FL
             num_warps: gl.constexpr):
     """Allocate the ring and staging tiles and run the partitions (module docstring). ``out_desc`` gives the
     staging tiles' shape, dtype and layout: [BM, BN] of the epilogue's TMA-stored outputs."""
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)

@@ -11,7 +11,7 @@ pick) and runs that object, so a kernel can never be launched without its cluste
 from __future__ import annotations
 
 import ctypes
-import functools
+
 import torch
 
 # Clusters the hardware launches: up to 8 CTAs portably, 16 with the non-portable attribute (triton's
@@ -37,11 +37,6 @@ def smem_bytes(bm: int, bn: int, bk: int, stages: int, staging_tiles: int, elem:
     return stages * (bm + bn) * bk * elem + staging_tiles * bm * bn * elem + _BARRIER_BYTES
 
 
-@functools.lru_cache(maxsize=None)
-def num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 class _LaunchAttribute(ctypes.Structure):
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
 
@@ -60,17 +55,19 @@ _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 16
 _ACTIVE_CLUSTERS: dict = {}
 
 
-def max_active_clusters(compiled, cluster: int, index: int) -> int:
+def max_active_clusters(compiled, cluster: int, device: torch.device) -> int:
     """How many clusters of this kernel can be resident at once (cuOccupancyMaxActiveClusters, asked once
     per kernel and cluster size); the SM count over the cluster size when the driver cannot say."""
-    key = (compiled.function, cluster, index)
+    key = (compiled.function, cluster, device)
     if key not in _ACTIVE_CLUSTERS:
-        _ACTIVE_CLUSTERS[key] = _query_active_clusters(compiled, cluster, index)
+        _ACTIVE_CLUSTERS[key] = _query_active_clusters(compiled, cluster, device)
     return _ACTIVE_CLUSTERS[key]
 
 
-def _query_active_clusters(compiled, cluster: int, index: int) -> int:
-    fallback = max(1, num_sms(index) // cluster)
+def _query_active_clusters(compiled, cluster: int, device: torch.device) -> int:
+    from ...ops._triton_common import num_sms
+
+    fallback = max(1, num_sms(device) // cluster)
     try:
         lib = ctypes.CDLL("libcuda.so.1")
         if cluster == 16:
@@ -118,10 +115,6 @@ def run(compiled, grid: int, args: tuple, num_warps: int) -> None:
     compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, num_warps)
 
 
-def cluster_grid(compiled, cluster: int, work: int, index: int) -> int:
+def cluster_grid(compiled, cluster: int, work: int, device: torch.device) -> int:
     """Clusters to launch for ``work`` row blocks: all that fit at once (persistent), at most one per block."""
-    return max(1, min(work, max_active_clusters(compiled, cluster, index)))
-
-
-def device_index(t: torch.Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return max(1, min(work, max_active_clusters(compiled, cluster, device)))

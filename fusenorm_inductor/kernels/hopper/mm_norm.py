@@ -23,11 +23,12 @@ reference path and the report says so); ``candidates`` lists the configurations 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
+from ...ops._triton_common import num_sms
 from . import launch as L
 from ._compat import (
     GLUON_ERROR,
@@ -44,8 +45,8 @@ from ._compat import (
 from .epilogues import load_vector, stage_store, tile_index
 from .gemm_core import gemm_ws
 
-# Kinds of GemmConfig (ops/_triton_common.py) this module runs; the cluster size is cdiv(N, block_n).
-KINDS = ("gl_coop", "gl_pp", "gl_cluster")
+# It runs GemmConfigs (ops/_triton_common.py) of kinds "gl_coop", "gl_pp" and "gl_cluster" (cluster size
+# cdiv(N, block_n)).
 MAX_TILE_N = 256  # the widest wgmma instruction and TMA box
 
 
@@ -311,22 +312,38 @@ def _padded(v: Optional[Tensor], bn: int) -> Optional[Tensor]:
     return torch.nn.functional.pad(v, (0, bn - v.shape[0] % bn))
 
 
-def kernel_args(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_normed, y, hh, mean, rstd, p1, p2,
-                config, gemm_only: bool) -> tuple:
-    """Every parameter of ``mm_norm_kernel`` in order but the last (``num_warps``, a launch option), the
-    launch options, and the cluster size."""
+class Launch(NamedTuple):
+    """What a config and the op's flags fix about the kernel: its compile-time shape and launch options."""
+
+    cluster: int  # CTAs per cluster (1: the tile schedule)
+    ncons: int  # consumer partitions (2: ping-pong)
+    norm: bool  # the norm epilogue (False: the plain GEMM base)
+    sync: bool  # the epilogue crosses the cluster barrier
+    save: bool  # hh is written
+    load_warps: int
+    num_warps: int  # of each consumer partition
+    maxnreg: int
+
+
+def launch_shape(config, n: int, save_normed: bool, gemm_only: bool) -> Launch:
+    cluster = cluster_size(n, config.block_n) if config.kind == "gl_cluster" else 1
+    ncons = 2 if config.kind == "gl_pp" else 1
+    norm = not gemm_only
+    sync = norm and cluster is not None and cluster > 1
+    load_warps = 4 if sync else 1  # a cluster barrier needs every thread: no padding warps (gemm_core)
+    warps = 4 if ncons == 2 else config.warps
+    return Launch(cluster, ncons, norm, sync, save_normed and norm, load_warps, warps,
+                  L.maxnreg(L.padded_warps(load_warps) + warps * ncons))
+
+
+def kernel_args(a, b, bias, residual, weight, norm_bias, eps, is_rms, y, hh, mean, rstd, p1, p2, config,
+                shape: Launch) -> tuple:
+    """Every parameter of ``mm_norm_kernel`` in order but the last (``num_warps``, a launch option)."""
     m, k = a.shape
     n = b.shape[1]
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     kn = b_layout(a, b) == "kn"
-    c = cluster_size(n, bn) if config.kind == "gl_cluster" else 1
-    ncons = 2 if config.kind == "gl_pp" else 1
-    norm = not gemm_only
-    sync = norm and c > 1
-    load_warps = 4 if sync else 1
-    consumer_warps = 4 if ncons == 2 else config.warps
-    total = L.padded_warps(load_warps) + consumer_warps * ncons
-    save = save_normed and norm
+    save = shape.save
     any_ = y  # stands in for absent optional pointers (never read: the flags say so)
     bias, weight, norm_bias = (_padded(t, bn) for t in (bias, weight, norm_bias))
     args = (
@@ -338,10 +355,12 @@ def kernel_args(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_norme
         bias if bias is not None else any_, weight if weight is not None else any_,
         norm_bias if norm_bias is not None else any_, mean if mean.numel() else rstd, rstd, p1, p2,
         m, n, k, float(eps),
-        bias is not None, residual is not None, weight is not None, norm_bias is not None, bool(is_rms), save, norm,
-        n % bn == 0, 2 if save else 1, sync, config.stages, c, ncons, kn, load_warps, 40, 232,
+        bias is not None, residual is not None, weight is not None, norm_bias is not None, bool(is_rms), save,
+        shape.norm,
+        n % bn == 0, 2 if save else 1, shape.sync, config.stages, shape.cluster, shape.ncons, kn, shape.load_warps,
+        40, 232,
     )
-    return args, dict(num_warps=consumer_warps if ncons == 1 else 4, maxnreg=L.maxnreg(total)), c
+    return args
 
 
 class SpillError(RuntimeError):
@@ -354,28 +373,28 @@ def mm_norm_gluon(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_nor
     given buffers; ``alloc(shape, dtype)`` makes the partials scratch of the cluster path."""
     m = a.shape[0]
     n = b.shape[1]
-    c = cluster_size(n, config.block_n) if config.kind == "gl_cluster" else 1
+    shape = launch_shape(config, n, save_normed, gemm_only)
+    c = shape.cluster
     if c is None:
         raise ValueError(f"{config.label()}: N={n} needs an unsupported cluster size")
-    if c > 1 and not gemm_only:
+    if shape.sync:
         p1 = alloc((m, c), torch.float32)
         p2 = alloc((m, c), torch.float32) if not is_rms else p1
     else:
         p1 = p2 = rstd
-    args, options, c = kernel_args(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_normed, y, hh, mean,
-                                   rstd, p1, p2, config, gemm_only)
+    args = kernel_args(a, b, bias, residual, weight, norm_bias, eps, is_rms, y, hh, mean, rstd, p1, p2, config, shape)
+    options = dict(num_warps=shape.num_warps, maxnreg=shape.maxnreg)
     compiled = L.compiled_kernel(mm_norm_kernel, args, c, **options)
     if getattr(compiled, "n_spills", 0):
         # A few epilogue specializations spill on triton 3.6 (test_gluon_compile.py lists which); they are
         # never launched: the caller falls back to the tl kernels.
         raise SpillError(f"{config.label()}: this specialization spills registers ({compiled.n_spills})")
     row_blocks = -(-m // config.block_m)
-    index = L.device_index(a)
     if c == 1:
-        grid = min(row_blocks * -(-n // config.block_n), L.num_sms(index))
+        grid = min(row_blocks * -(-n // config.block_n), num_sms(a.device))
     else:
-        grid = L.cluster_grid(compiled, c, row_blocks, index)
-    L.run(compiled, grid, args, options["num_warps"])
+        grid = L.cluster_grid(compiled, c, row_blocks, a.device)
+    L.run(compiled, grid, args, shape.num_warps)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -396,17 +415,9 @@ def compile_offline(config, n: int, k: int, *, is_rms: bool, affine: bool, bias:
     (``offline.compile_sm90``; bf16, no GPU needed). Returns its ``offline.Compiled``."""
     from .offline import compile_sm90, descriptor_type
 
-    class _Fake:  # just what kernel_args reads of the tensors when building a signature
-        pass
-
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    c = cluster_size(n, bn) if config.kind == "gl_cluster" else 1
-    ncons = 2 if config.kind == "gl_pp" else 1
-    norm = not gemm_only
-    sync = norm and c > 1
-    load_warps = 4 if sync else 1
-    warps = 4 if ncons == 2 else config.warps
-    save = save_normed and norm
+    shape = launch_shape(config, n, save_normed, gemm_only)
+    save = shape.save
     values = dict(
         a_desc=descriptor_type([bm, bk]), b_desc=descriptor_type([bk, bn] if b_kn else [bn, bk]),
         y_desc=descriptor_type([bm, bn]), hh_desc=descriptor_type([bm, bn]), res_desc=descriptor_type([bm, bn]),
@@ -415,12 +426,12 @@ def compile_offline(config, n: int, k: int, *, is_rms: bool, affine: bool, bias:
     )
     constexprs = dict(
         HAS_BIAS=bias, HAS_RES=residual, HAS_W=affine, HAS_NB=affine and not is_rms, IS_RMS=is_rms, SAVE_NORMED=save,
-        NORM=norm, EVEN_N=n % bn == 0, NUM_OUT=2 if save else 1, SYNC=sync, NUM_STAGES=config.stages, C=c, NCONS=ncons, B_KN=b_kn,
-        LOAD_WARPS=load_warps, LOAD_REGS=40, MMA_REGS=232, num_warps=warps,
+        NORM=shape.norm, EVEN_N=n % bn == 0, NUM_OUT=2 if save else 1, SYNC=shape.sync, NUM_STAGES=config.stages,
+        C=shape.cluster, NCONS=shape.ncons, B_KN=b_kn, LOAD_WARPS=shape.load_warps, LOAD_REGS=40, MMA_REGS=232,
+        num_warps=shape.num_warps,
     )
     signature = {p: values.get(p, "constexpr") for p in _PARAMS}
-    total = L.padded_warps(load_warps) + warps * ncons
-    return compile_sm90(mm_norm_kernel, signature, constexprs, warps, L.maxnreg(total))
+    return compile_sm90(mm_norm_kernel, signature, constexprs, shape.num_warps, shape.maxnreg)
 
 
 OFFLINE_NS = (40, 64, 96, 128, 200, 256, 320, 512, 1000, 1024, 2048, 4096)
