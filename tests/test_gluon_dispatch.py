@@ -51,7 +51,7 @@ def _why(a, b, residual=None, out_dtype=None):
     return hopper.unsupported(_as_cuda(a), _as_cuda(b), None, residual, None, None, out_dtype, False)
 
 
-@pytest.mark.parametrize("n", [40, 64, 96, 128, 200, 256, 320, 512, 1000, 1024, 2048, 4096])
+@pytest.mark.parametrize("n", [40, 64, 96, 128, 200, 256, 320, 512, 1000, 1024, 2048, 3000, 4096, 8192])
 @pytest.mark.parametrize("k", [40, 512])
 def test_takes_aligned_16bit_inputs(sm90, n, k):
     a, b = _ab(1000, k, n)
@@ -67,10 +67,11 @@ def test_takes_aligned_16bit_inputs(sm90, n, k):
         (lambda: _ab(257, 196 + 2, 128), "multiple of 8"),
         (lambda: _ab(257, 200, 100), "multiple of 8"),
         (lambda: (_ab(257, 200, 128)[0].t().contiguous().t(), _ab(257, 200, 128)[1]), "row-major"),
-        (lambda: _ab(257, 200, 8192), "N=8192"),
-        (lambda: _ab(257, 200, 3072), "N=3072"),
+        (lambda: _ab(257, 200, 9216), "N=9216"),
+        (lambda: _ab(257, 200, 4352), "N=4352"),
+        (lambda: _ab(257, 200, 4616), "N=4616"),
     ],
-    ids=["fp32", "k_odd", "n_odd", "a_colmajor", "n_8192", "n_3072"],
+    ids=["fp32", "k_odd", "n_odd", "a_colmajor", "n_9216", "n_4352", "n_4616"],
 )
 def test_declines_with_a_reason(sm90, make, reason):
     a, b = make()
@@ -99,25 +100,46 @@ def test_one_tile_candidates(n, save):
     assert cands, n
     for c in cands:
         assert c.kind in ("gl_coop", "gl_pp") and c.block_n >= n and c.block_n == hopper.pow2_tile(n)
-        staging = (2 if c.kind == "gl_pp" else 1) * (2 if save else 1)
+        shape = hopper.launch_shape(c, n, save, False)
+        assert shape.num_out == 1 or save
+        staging = shape.ncons * shape.num_out
         assert L.smem_bytes(c.block_m, c.block_n, c.block_k, c.stages, staging) <= L.SMEM_LIMIT
         assert c.stages >= 2
 
 
-@pytest.mark.parametrize("n, sizes", [(320, {2, 3}), (512, {2, 4}), (1000, {4, 8}), (2048, {8, 16}), (4096, {16})])
-def test_cluster_candidates(n, sizes):
+@pytest.mark.parametrize("n, size", [(320, 2), (512, 2), (1000, 4), (2048, 8), (3000, 6), (4096, 8), (8192, 8)])
+@pytest.mark.parametrize("save", [False, True])
+def test_cluster_candidates(n, size, save):
     a, b = _ab(262144, 1024, n)
-    cands = hopper.candidates(a, b, True)
-    assert {c.kind for c in cands} == {"gl_cluster"}
-    assert {hopper.cluster_size(n, c.block_n) for c in cands} == sizes
+    cands = hopper.candidates(a, b, save)
+    assert [(c.kind, c.block_m, c.block_n, c.warps) for c in cands] == [
+        ("gl_cluster", 128, 256, 8), ("gl_cluster", 64, 256, 4)]
     for c in cands:
-        assert L.smem_bytes(c.block_m, c.block_n, c.block_k, c.stages, 2) <= L.SMEM_LIMIT
+        shape = hopper.launch_shape(c, n, save, False)
+        assert shape.cluster == size and shape.sync and c.stages >= 3
+        assert shape.cluster * shape.span * c.block_n >= n > (shape.cluster * shape.span - 1) * c.block_n
+        assert L.smem_bytes(c.block_m, c.block_n, c.block_k, c.stages, shape.num_out) <= L.SMEM_LIMIT
+
+
+def test_hh_shares_the_staging_tile_only_where_two_do_not_fit():
+    """save_normed: hh gets its own staging tile where that leaves >= 3 stages, else y and hh take turns."""
+    a, b = _ab(262144, 1024, 1024)
+    wide, narrow = hopper.candidates(a, b, True)
+    assert hopper.launch_shape(wide, 1024, True, False).num_out == 1  # 128x256: 2 x 64 KiB staging + 3 stages > 227
+    assert hopper.launch_shape(narrow, 1024, True, False).num_out == 2
+    assert hopper.launch_shape(wide, 1024, False, False).num_out == 1
+    assert hopper.launch_shape(narrow, 1024, True, True).num_out == 1  # the GEMM base writes y alone
 
 
 def test_cluster_size_rules():
     assert hopper.cluster_size(256) == 1 and hopper.cluster_size(40) == 1
-    assert hopper.cluster_size(257) == 2 and hopper.cluster_size(2048, 128) == 16
-    assert hopper.cluster_size(2304) is None  # 9 tiles: neither portable (<= 8) nor 16
+    assert hopper.cluster_size(257) == 2 and hopper.cluster_size(2048) == 8
+    assert hopper.cluster_shape(2304) == (3, 3)  # 9 tiles: more than a portable cluster, 3 x 3
+    # wider rows: the fewest tiles per CTA that fit a cluster of <= 8 (16-CTA clusters lost: not offered)
+    assert hopper.cluster_shape(4096) == (8, 2) and hopper.cluster_shape(8192) == (8, 4)
+    assert hopper.cluster_shape(3000) == (6, 2) and hopper.cluster_shape(5000) == (5, 4)
+    assert hopper.cluster_shape(4352) is None  # 17 tiles
+    assert hopper.cluster_shape(9216) is None  # 36 tiles: 5 per CTA, over MAX_SPAN
 
 
 def test_vectors_padded_to_whole_tiles():

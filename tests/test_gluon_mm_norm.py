@@ -1,7 +1,8 @@
 """The Gluon sm_90 post-norm forward (kernels/hopper/mm_norm.py) on the GPU, against the fp32 reference.
 
 Every configuration the dispatch can pick is run at odd shapes (M = 257 and 1000; N = 64, 96, 320, 1000,
-4096 over one tile or clusters of 2-16 CTAs; K = 40 and 200), with bias, residual, affine and hh (the "full"
+2048, 3000, 4096, 8192 over one tile, clusters of 2-8 CTAs, or clusters whose CTAs compute 2-4 tiles of a
+row block; K = 40 and 200), with bias, residual, affine and hh (the "full"
 case, B as W.t()) and without any (the "bare" case, B row-major [K, N]); LayerNorm at |mean| / std = 1000;
 inputs the TMA path cannot take fall back to the ``tl`` path (right results, the Gluon launcher never
 called, the dispatch's reason says why). Every buffer the launcher allocates is NaN-poisoned.
@@ -54,7 +55,7 @@ def gluon_calls(monkeypatch):
 
 @pytest.mark.parametrize("case", ["full", "bare"])
 @pytest.mark.parametrize("k", [40, 200])
-@pytest.mark.parametrize("n", [64, 96, 320, 1000, 4096])
+@pytest.mark.parametrize("n", [64, 96, 320, 1000, 2048, 3000, 4096, 8192])
 @pytest.mark.parametrize("m", [257, 1000])
 @NORMS
 def test_every_candidate_matches_reference(m, n, k, case, is_rms, gluon_calls):
@@ -64,13 +65,21 @@ def test_every_candidate_matches_reference(m, n, k, case, is_rms, gluon_calls):
     cands = hopper.candidates(args[0], args[1], args[-1])
     assert cands and hopper.unsupported(*args[:6], args[8], args[9]) is None
     refs = mm_norm_reference(*args)
+    ran = 0
     for cfg in cands:
-        outs = fwd_k.mm_norm_triton(*args, config=cfg)
+        try:
+            outs = fwd_k.mm_norm_triton(*args, config=cfg)
+        except hopper.SpillError:
+            # refused, never launched (the tuner drops it; without tuning the tl path runs): only epilogues
+            # with bias, residual and affine spill
+            assert case == "full", cfg.label()
+            continue
+        ran += 1
         TARGET.check(outs, refs, [f"{name} [{cfg.label()}]" for name in kc.FWD_NAMES])
-    assert gluon_calls == cands
+    assert gluon_calls == cands and (ran > 0 or case == "full")
 
 
-@pytest.mark.parametrize("n", [128, 1024])
+@pytest.mark.parametrize("n", [128, 1024, 4096])
 def test_layernorm_large_mean(n, gluon_calls):
     """|mean| / std = 1000: two-pass in the tile, Chan across a cluster's tiles."""
     TARGET.check_layernorm_large_mean(1000, 200, n, BF16, w_max=5.0)
@@ -103,6 +112,7 @@ FALLBACKS = {
     "k_not_multiple_of_8": lambda a, b: (a[:, :196], b[:196]),
     "n_not_multiple_of_8": lambda a, b: (a, b[:, :100]),
     "a_misaligned": lambda a, b: (_misaligned(a), b),
+    "n_too_wide": lambda a, b: (a, torch.cat([b] * 72, dim=1)),  # N = 9216: 36 tiles, over 8 CTAs x 4
 }
 
 

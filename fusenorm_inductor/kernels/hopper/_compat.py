@@ -54,9 +54,21 @@ if GLUON_ERROR is None:
         )
 
     @gluon.jit
+    def bulk_store_drain():
+        """Wait until this thread's TMA stores have completed their writes to global memory (not only read
+        their shared memory, which is what ``tma.store_wait`` waits for), so that a later TMA load of the same
+        addresses sees them. The caller then synchronizes the CTA: one thread issues the stores."""
+        gl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0;\nmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1,
+        )
+
+    @gluon.jit
     def cluster_wait():
         """Wait for the cluster barrier's current phase (acquire). Each thread alternates arrive / wait."""
         gl.inline_asm_elementwise(
             "barrier.cluster.wait.acquire.aligned;\nmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
             pack=1,
         )
+
+else:
+    cluster_arrive = cluster_wait = bulk_store_drain = None  # the kernel modules still import; nothing runs

@@ -13,21 +13,24 @@ Partitions (``gl.warp_specialize``):
   barrier pair serializes their mainloops, so one's epilogue runs under the other's MMAs).
 
 Each consumer hands its finished fp32 accumulator, in the wgmma register layout, to ``EPILOGUE``:
-``EPILOGUE(acc, off_m, off_n, rank, c_bufs, buf0, epi_bar, it, eargs, FLAGS, M, N, layout)``, a ``gluon.jit`` function
+``EPILOGUE(acc, off_m, off_n, pn, c_bufs, buf0, epi_bar, it, eargs, FLAGS, M, N, layout)`` (``pn``: the N tile
+index, ``it``: the consumer's tile count), a ``gluon.jit`` function
 passed as a constexpr with its runtime arguments in the tuple ``eargs`` and its compile-time switches in the
 integer ``FLAGS`` (a bit mask: constexprs inside a tuple do not stay constexpr across ``warp_specialize``). ``c_bufs`` holds ``NUM_OUT`` shared-memory staging
 tiles per consumer (from index ``buf0``) for TMA stores, and TMA loads of [BM, BN] operands of the epilogue
-(a residual) through them, with the consumer's own mbarrier ``epi_bar`` (phase ``it & 1`` on its ``it``-th
-tile): a tile's worth of pointers in the wgmma layout costs more registers than the accumulator. The fused ops (post-norm forward, plain GEMM, ...)
+(a residual) through them, with the consumer's own mbarrier ``epi_bar`` (the epilogue derives each wait's
+phase from ``it`` and its own fixed count of loads per tile): a tile's worth of pointers in the wgmma layout costs more registers than the accumulator. The fused ops (post-norm forward, plain GEMM, ...)
 are epilogues of this core, not mainloops of their own.
 
-Schedules (``C``): ``C = 1`` walks the [M/BM, N/BN] tiles persistently, row block major (consecutive
-programs share an A row block in L2). ``C > 1`` is the cluster schedule for rows wider than a tile: the
-kernel is launched in clusters of C CTAs (``launch.py``); cluster ``pid // C`` walks row blocks, CTA ``rank =
-pid % C`` always computes N tile ``rank``, so a row block's C tiles run at the same time on the cluster's SMs
-and an epilogue can exchange row statistics with ``cluster_arrive`` / ``cluster_wait`` (``SYNC``). The
-hardware cluster barrier counts every thread, so with ``SYNC`` the loader arrives once per row block too
-(and has 4 warps: a 1-warp partition is padded to a warpgroup whose idle warps would never arrive).
+Schedules (``C``, ``SPAN``): ``C = 1`` walks the [M/BM, N/BN] tiles persistently, row block major
+(consecutive programs share an A row block in L2). ``C > 1`` is the cluster schedule for rows wider than a
+tile: the kernel is launched in clusters of C CTAs (``launch.py``); cluster ``pid // C`` walks row blocks,
+CTA ``rank = pid % C`` computes the ``SPAN`` consecutive N tiles ``rank * SPAN + t`` (t = 0 .. SPAN-1) of each,
+one after the other, so a row block's C * SPAN tiles run at the same time on the cluster's SMs and an
+epilogue can exchange row statistics with ``cluster_arrive`` / ``cluster_wait`` (``SYNC``) at its last one
+(``it % SPAN == SPAN - 1``). The hardware cluster barrier counts every thread, so with ``SYNC`` the loader
+arrives once per row block too (and has 4 warps: a 1-warp partition is padded to a warpgroup whose idle
+warps would never arrive).
 """
 
 from __future__ import annotations
@@ -66,40 +69,47 @@ def _tile_n(b_block, B_KN):
 
 
 @gluon.jit
-def schedule(M, N, BM: gl.constexpr, BN: gl.constexpr, C: gl.constexpr):
-    """(first work item, stride, item count) of this program. Items are tiles (C = 1) or row blocks."""
+def schedule(M, N, BM: gl.constexpr, BN: gl.constexpr, C: gl.constexpr, SPAN: gl.constexpr):
+    """(first work item, stride, tiles) of this program: items are tiles (C = 1) or row blocks (C > 1), and
+    the program computes ``tiles`` tiles (SPAN per row block)."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     if C == 1:
-        return pid, nprog, gl.cdiv(M, BM) * gl.cdiv(N, BN)
+        first = pid
+        step = nprog
+        items = gl.cdiv(M, BM) * gl.cdiv(N, BN)
     else:
-        return pid // C, nprog // C, gl.cdiv(M, BM)
+        first = pid // C
+        step = nprog // C
+        items = gl.cdiv(M, BM)
+    return first, step, (gl.maximum(items - first + step - 1, 0) // step) * SPAN
 
 
 @gluon.jit
-def coords(item, N, BN: gl.constexpr, C: gl.constexpr):
-    """(row block, N tile) of a work item."""
+def coords(first, step, i, N, BN: gl.constexpr, C: gl.constexpr, SPAN: gl.constexpr):
+    """(row block, N tile) of the program's i-th tile."""
     if C == 1:
+        item = first + i * step
         n_tiles = gl.cdiv(N, BN)
         pm = item // n_tiles
         return pm, item - pm * n_tiles
     else:
-        return item, gl.program_id(0) % C
+        return first + (i // SPAN) * step, (gl.program_id(0) % C) * SPAN + i % SPAN
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C: gl.constexpr, SYNC: gl.constexpr,
-            B_KN: gl.constexpr):
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C: gl.constexpr, SPAN: gl.constexpr,
+            SYNC: gl.constexpr, B_KN: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = _tile_n(b_desc.block_type.shape, B_KN)
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
-    first, step, items = schedule(M, N, BM, BN, C)
+    first, step, tiles = schedule(M, N, BM, BN, C, SPAN)
     k_tiles = gl.cdiv(K, BK)
     c = 0
     j = 0
-    for item in range(first, items, step):
-        pm, pn = coords(item, N, BN, C)
+    for i in range(tiles):
+        pm, pn = coords(first, step, i, N, BN, C, SPAN)
         for kk in range(k_tiles):
             s = c % NUM_STAGES
             # a fresh mbarrier counts as having completed the phase before phase 0: the first lap passes
@@ -114,10 +124,11 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C: gl.constex
             c += 1
         if SYNC:
             # one arrival per row block, as the consumers' epilogue makes; PTX wants arrive / wait alternating
-            if j > 0:
-                cluster_wait()
-            cluster_arrive()
-        j += 1
+            if i % SPAN == SPAN - 1:
+                if j > 0:
+                    cluster_wait()
+                cluster_arrive()
+                j += 1
     if SYNC:
         if j > 0:
             cluster_wait()
@@ -143,19 +154,18 @@ def _mainloop(a_bufs, b_bufs, ready, empty, c0, k_tiles, acc, B_KN: gl.constexpr
 
 @gluon.jit
 def _consumer(a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE: gl.constexpr, eargs,
-              FLAGS: gl.constexpr, C: gl.constexpr, CID: gl.constexpr, NCONS: gl.constexpr, NUM_OUT: gl.constexpr, B_KN: gl.constexpr,
+              FLAGS: gl.constexpr, C: gl.constexpr, SPAN: gl.constexpr, CID: gl.constexpr, NCONS: gl.constexpr, NUM_OUT: gl.constexpr, B_KN: gl.constexpr,
               WARPS: gl.constexpr):
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = c_bufs.type.shape[2]
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     layout: gl.constexpr = mma_layout(BM, BN, WARPS)
-    first, step, items = schedule(M, N, BM, BN, C)
+    first, step, tiles = schedule(M, N, BM, BN, C, SPAN)
     k_tiles = gl.cdiv(K, BK)
-    mine = gl.maximum(items - first + step - 1, 0) // step
     j = 0
-    for i in range(CID, mine, NCONS):
-        pm, pn = coords(first + i * step, N, BN, C)
+    for i in range(CID, tiles, NCONS):
+        pm, pn = coords(first, step, i, N, BN, C, SPAN)
         c0 = i * k_tiles
         # a fresh accumulator per tile: a loop-carried one would stay live through the epilogue, doubling
         # its registers there (the first wgmma ignores it: use_acc=False)
@@ -176,8 +186,8 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPI
 @gluon.jit
 def gemm_ws(a_desc, b_desc, out_desc, M, N, K, EPILOGUE: gl.constexpr, eargs, FLAGS: gl.constexpr,
             NUM_OUT: gl.constexpr,
-            SYNC: gl.constexpr, NUM_STAGES: gl.constexpr, C: gl.constexpr, NCONS: gl.constexpr,
-            B_KN: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+            SYNC: gl.constexpr, NUM_STAGES: gl.constexpr, C: gl.constexpr, SPAN: gl.constexpr,
+            NCONS: gl.constexpr, B_KN: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
             num_warps: gl.constexpr):
     """Allocate the ring and staging tiles and run the partitions (module docstring). ``out_desc`` gives the
     staging tiles' shape, dtype and layout: [BM, BN] of the epilogue's TMA-stored outputs."""
@@ -201,16 +211,16 @@ def gemm_ws(a_desc, b_desc, out_desc, M, N, K, EPILOGUE: gl.constexpr, eargs, FL
     # must stay compile-time (they pick the schedule and B's box).
     if NCONS == 1:
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE, eargs, FLAGS, C, 0, 1, NUM_OUT,
+            (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE, eargs, FLAGS, C, SPAN, 0, 1, NUM_OUT,
                          B_KN, num_warps)),
-            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C, SYNC, B_KN)),
+            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C, SPAN, SYNC, B_KN)),
         ], [LOAD_WARPS], [LOAD_REGS])
     else:
         gl.static_assert(num_warps == 4, "ping-pong consumers are one warpgroup each")
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE, eargs, FLAGS, C, 0, 2, NUM_OUT,
+            (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE, eargs, FLAGS, C, SPAN, 0, 2, NUM_OUT,
                          B_KN, 4)),
-            (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE, eargs, FLAGS, C, 1, 2, NUM_OUT,
+            (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE, eargs, FLAGS, C, SPAN, 1, 2, NUM_OUT,
                          B_KN, 4)),
-            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C, SYNC, B_KN)),
+            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C, SPAN, SYNC, B_KN)),
         ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])

@@ -12,7 +12,13 @@ The epilogue (``_mm_norm_epilogue``) takes the accumulator tile from the core (g
   LayerNorm: the tile mean and centred M2), writes the per-row partials to a small fp32 scratch [M, C],
   crosses the hardware cluster barrier, reads the C partials of its rows back from L2 and combines them
   (LayerNorm: Chan's pairwise formula, exact in any order), then normalizes its own registers. Nothing but
-  the partials leaves the SMs before the output.
+  the partials leaves the SMs before the output;
+- rows of more than 8 tiles (up to 8 x 4 = 32, N <= 8192; ``cluster_shape``): each CTA computes SPAN tiles of
+  the row block one after the other. All but its last are "parked" in y (h, or for LayerNorm h minus the
+  tile mean, rounded once to y's dtype, as the unfused path rounds h) after publishing their partials; at
+  the last one the cluster exchanges, and the parked tiles come back through the staging tile (TMA, mostly
+  from L2), are normalized and stored. The parked rounding is one of the 16-bit tolerances the tests allow
+  for multi-tile rows.
 ``NORM = False`` makes it the plain epilogue (y = a @ b + bias + residual): the benchmark's GEMM base.
 
 Launcher: ``unsupported`` says why an input cannot take this path (the dispatch then keeps the ``tl`` or
@@ -33,8 +39,10 @@ from . import launch as L
 from ._compat import (
     GLUON_ERROR,
     TensorDescriptor,
+    bulk_store_drain,
     cluster_arrive,
     cluster_wait,
+    constexpr_function,
     gl,
     gluon,
     mbarrier,
@@ -48,6 +56,10 @@ from .gemm_core import gemm_ws
 # It runs GemmConfigs (ops/_triton_common.py) of kinds "gl_coop", "gl_pp" and "gl_cluster" (cluster size
 # cdiv(N, block_n)).
 MAX_TILE_N = 256  # the widest wgmma instruction and TMA box
+# setmaxnreg budgets of the loader partition and of each ping-pong consumer. The loader needs few registers;
+# at 40, ptxas spilled a few LayerNorm epilogues of 128x256 tiles that compile cleanly at 24 (offline compile).
+LOAD_REGS = 24
+MMA_REGS = 232
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -56,36 +68,37 @@ MAX_TILE_N = 256  # the widest wgmma instruction and TMA box
 
 
 @gluon.jit
-def _row_stats_exchange(h, cols, cmask, rows, rmask, rank, N, p1_ptr, p2_ptr, eps, BN: gl.constexpr,
-                        C: gl.constexpr, IS_RMS: gl.constexpr, EVEN_N: gl.constexpr):
-    """(hh, mean, rstd) of rows spread over the C CTAs of a cluster: publish this tile's per-row partials,
-    cluster barrier, combine all C from L2 (``.cg``: past this SM's L1, which may hold stale lines)."""
-    slot = rows * C
+def _tile_partial(h, cmask, N, pn, BN: gl.constexpr, IS_RMS: gl.constexpr, EVEN_N: gl.constexpr):
+    """This tile's share of its rows' statistics: (x, s1, s2). RMSNorm: x = h, s1 = sum of squares;
+    LayerNorm: x = h - tile mean (centred: keeps its precision at |mean| >> std), s1 = tile mean, s2 = M2."""
     if IS_RMS:
-        gl.store(p1_ptr + slot + rank, gl.sum(h * h, axis=1), mask=rmask)
+        return h, gl.sum(h * h, axis=1), gl.sum(h * h, axis=1)
     else:
-        n_here = gl.minimum(N - rank * BN, BN).to(gl.float32)
+        n_here = gl.minimum(N - pn * BN, BN).to(gl.float32)
         t_mean = gl.sum(h, axis=1) / n_here
         d = h - gl.expand_dims(t_mean, 1)
         if not EVEN_N:
             d = gl.where(gl.expand_dims(cmask, 0), d, 0.0)
-        gl.store(p1_ptr + slot + rank, t_mean, mask=rmask)
-        gl.store(p2_ptr + slot + rank, gl.sum(d * d, axis=1), mask=rmask)
-    cluster_arrive()
-    tma.store_wait(0)  # this CTA's previous stores drain while its peers arrive
-    cluster_wait()
+        return d, t_mean, gl.sum(d * d, axis=1)
+
+
+@gluon.jit
+def _row_stats(rows, rmask, N, p1_ptr, p2_ptr, eps, BN: gl.constexpr, P: gl.constexpr, IS_RMS: gl.constexpr):
+    """(mean, rstd) of rows from the P per-tile partials the cluster published (after its barrier; ``.cg``:
+    past this SM's L1, which may hold stale lines). LayerNorm merges (count, mean, M2) pairwise (Chan et
+    al.), exact in any order; tile r has min(N - r * BN, BN) columns."""
+    slot = rows * P
     if IS_RMS:
         ss = gl.load(p1_ptr + slot, mask=rmask, other=0.0, cache_modifier=".cg")
-        for r in gl.static_range(1, C):
+        for r in range(1, P):
             ss += gl.load(p1_ptr + slot + r, mask=rmask, other=0.0, cache_modifier=".cg")
         rstd = gl.rsqrt(ss / N + eps)
-        return h * gl.expand_dims(rstd, 1), rstd, rstd
+        return rstd, rstd
     else:
-        # Chan et al.: merge (count, mean, M2) pairwise; tile r has min(N - r*BN, BN) columns
         cnt = gl.minimum(N, BN).to(gl.float32)
         mean = gl.load(p1_ptr + slot, mask=rmask, other=0.0, cache_modifier=".cg")
         m2 = gl.load(p2_ptr + slot, mask=rmask, other=0.0, cache_modifier=".cg")
-        for r in gl.static_range(1, C):
+        for r in range(1, P):  # not unrolled: all P partials' loads in flight at once took registers
             n_r = gl.minimum(N - r * BN, BN).to(gl.float32)
             mean_r = gl.load(p1_ptr + slot + r, mask=rmask, other=0.0, cache_modifier=".cg")
             m2_r = gl.load(p2_ptr + slot + r, mask=rmask, other=0.0, cache_modifier=".cg")
@@ -94,14 +107,96 @@ def _row_stats_exchange(h, cols, cmask, rows, rmask, rank, N, p1_ptr, p2_ptr, ep
             mean = mean + delta * (n_r / tot)
             m2 = m2 + m2_r + delta * delta * (cnt * n_r / tot)
             cnt = tot
-        rstd = gl.rsqrt(m2 / N + eps)
-        # h - mean = (h - tile mean) + (tile mean - mean): the centred d keeps its precision
-        hh = (d + gl.expand_dims(t_mean - mean, 1)) * gl.expand_dims(rstd, 1)
-        return hh, mean, rstd
+        return mean, gl.rsqrt(m2 / N + eps)
 
 
 @gluon.jit
-def _mm_norm_epilogue(acc, off_m, off_n, rank, c_bufs, buf0: gl.constexpr, epi_bar, it, eargs,
+def _store_normed(hh, cols, off_m, off_n, c_bufs, buf0: gl.constexpr, y_desc, hh_desc, w_ptr, nb_ptr,
+                  FLAGS: gl.constexpr):
+    """Write hh (save_normed) and y = hh * w + nb of one tile through the staging tiles, whose previous
+    stores the caller has waited for. hh leaves before y is formed: the two [BM, BN] tiles are never live
+    at once (registers)."""
+    HAS_W: gl.constexpr = (FLAGS & 4) != 0
+    HAS_NB: gl.constexpr = (FLAGS & 8) != 0
+    SAVE_NORMED: gl.constexpr = (FLAGS & 32) != 0
+    SERIAL: gl.constexpr = (FLAGS & 256) != 0  # hh and y share one staging tile (NUM_OUT = 1)
+    if SAVE_NORMED:
+        if SERIAL:
+            stage_store(hh, hh_desc, c_bufs.index(buf0), off_m, off_n)
+            tma.store_wait(0)  # hh has left the tile before y is staged into it
+        else:
+            stage_store(hh, hh_desc, c_bufs.index(buf0 + 1), off_m, off_n)
+    if HAS_W:
+        hh = hh * load_vector(w_ptr, cols)
+    if HAS_NB:
+        hh = hh + load_vector(nb_ptr, cols)
+    stage_store(hh, y_desc, c_bufs.index(buf0), off_m, off_n)
+
+
+@constexpr_function
+def _fixup_layout(BN, layout):
+    """A blocked layout of a [BM, BN] tile over the consumer's warps: 8 adjacent columns per thread."""
+    tpw_n = min(32, BN // 8)
+    return gl.BlockedLayout([1, 8], [32 // tpw_n, tpw_n], [layout.warps_per_cta[0], 1], [1, 0])
+
+
+@gluon.jit
+def _last_tile(x, s1, rows, rmask, cols, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, loads, y_desc,
+               hh_desc, w_ptr, nb_ptr, mean_ptr, rstd_ptr, p1_ptr, p2_ptr, eps, M, N, FLAGS: gl.constexpr,
+               layout: gl.constexpr):
+    """A CTA's last tile of a row block in the cluster schedule (its partials published): cluster barrier,
+    row statistics, then this tile and the SPAN - 1 tiles parked in y before it, normalized and stored."""
+    IS_RMS: gl.constexpr = (FLAGS & 16) != 0
+    C: gl.constexpr = (FLAGS >> 9) & 15
+    SPAN: gl.constexpr = FLAGS >> 13
+    P: gl.constexpr = C * SPAN
+    BN: gl.constexpr = c_bufs.type.shape[2]
+    cluster_arrive()
+    tma.store_wait(0)  # this CTA's previous stores drain while its peers arrive
+    cluster_wait()
+    mean, rstd = _row_stats(rows, rmask, N, p1_ptr, p2_ptr, eps, BN, P, IS_RMS)
+    first = rmask & (pn == SPAN - 1)  # one CTA of a cluster writes the row statistics
+    gl.store(rstd_ptr + rows, rstd, mask=first)
+    if IS_RMS:
+        hh = x * gl.expand_dims(rstd, 1)
+    else:
+        gl.store(mean_ptr + rows, mean, mask=first)
+        # h - mean = (h - tile mean) + (tile mean - mean)
+        hh = (x + gl.expand_dims(s1 - mean, 1)) * gl.expand_dims(rstd, 1)
+    _store_normed(hh, cols, off_m, off_n, c_bufs, buf0, y_desc, hh_desc, w_ptr, nb_ptr, FLAGS)
+    # The parked tiles: reload each from y through the staging tile, normalize, store. In a blocked layout,
+    # where each thread holds 8 adjacent columns: the wgmma layout spreads a thread over BN / 4 columns, and
+    # the norm weight and bias in it took the registers the tile needed (spills).
+    BM: gl.constexpr = c_bufs.type.shape[1]
+    fix: gl.constexpr = _fixup_layout(BN, layout)
+    f_rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, fix))
+    f_rmask = f_rows < M
+    f_cols = gl.arange(0, BN, layout=gl.SliceLayout(0, fix))
+    rstd = gl.convert_layout(rstd, gl.SliceLayout(1, fix))
+    if not IS_RMS:
+        mean = gl.convert_layout(mean, gl.SliceLayout(1, fix))
+    for s in gl.static_range(SPAN - 1):
+        q = pn - (SPAN - 1) + s
+        buf = c_bufs.index(buf0)
+        tma.store_wait(0)
+        bulk_store_drain()  # the parked tile's store has reached global memory
+        thread_barrier()
+        mbarrier.expect(epi_bar, y_desc.block_type.nbytes)
+        tma_load(y_desc, [off_m, q * BN], epi_bar, buf)
+        mbarrier.wait(epi_bar, loads & 1)
+        loads += 1
+        xq = buf.load(fix).to(gl.float32)
+        thread_barrier()  # every thread has read the tile before it is staged again
+        if IS_RMS:
+            hq = xq * gl.expand_dims(rstd, 1)
+        else:
+            mq = gl.load(p1_ptr + f_rows * P + q, mask=f_rmask, other=0.0, cache_modifier=".cg")
+            hq = (xq + gl.expand_dims(mq - mean, 1)) * gl.expand_dims(rstd, 1)
+        _store_normed(hq, q * BN + f_cols, off_m, q * BN, c_bufs, buf0, y_desc, hh_desc, w_ptr, nb_ptr, FLAGS)
+
+
+@gluon.jit
+def _mm_norm_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it, eargs,
                       FLAGS: gl.constexpr, M, N, layout: gl.constexpr):
     y_desc = eargs[0]
     hh_desc = eargs[1]
@@ -116,15 +211,20 @@ def _mm_norm_epilogue(acc, off_m, off_n, rank, c_bufs, buf0: gl.constexpr, epi_b
     eps = eargs[10]
     HAS_BIAS: gl.constexpr = (FLAGS & 1) != 0
     HAS_RES: gl.constexpr = (FLAGS & 2) != 0
-    HAS_W: gl.constexpr = (FLAGS & 4) != 0
-    HAS_NB: gl.constexpr = (FLAGS & 8) != 0
     IS_RMS: gl.constexpr = (FLAGS & 16) != 0
-    SAVE_NORMED: gl.constexpr = (FLAGS & 32) != 0
     NORM: gl.constexpr = (FLAGS & 64) != 0
     EVEN_N: gl.constexpr = (FLAGS & 128) != 0
-    C: gl.constexpr = FLAGS >> 8
+    C: gl.constexpr = (FLAGS >> 9) & 15
+    SPAN: gl.constexpr = FLAGS >> 13  # tiles per CTA per row block (cluster schedule)
+    P: gl.constexpr = C * SPAN  # tiles per row: partials per row
     BM: gl.constexpr = c_bufs.type.shape[1]
     BN: gl.constexpr = c_bufs.type.shape[2]
+    # epi_bar completes once per TMA load through a staging tile: the residual of every tile, and the SPAN - 1
+    # parked tiles reloaded at a row block's last tile. Completions before this tile:
+    RES_LOADS: gl.constexpr = 1 if HAS_RES else 0
+    PER_ROW_BLOCK: gl.constexpr = SPAN * RES_LOADS + ((SPAN - 1) if NORM else 0)
+    t = it % SPAN
+    loads = (it // SPAN) * PER_ROW_BLOCK + t * RES_LOADS
     rows, cols, rmask, cmask = tile_index(off_m, off_n, M, N, BM, BN, layout)
     h = acc
     if HAS_BIAS:
@@ -135,14 +235,14 @@ def _mm_norm_epilogue(acc, off_m, off_n, rank, c_bufs, buf0: gl.constexpr, epi_b
         tma.store_wait(0)
         mbarrier.expect(epi_bar, res_desc.block_type.nbytes)
         tma_load(res_desc, [off_m, off_n], epi_bar, buf)
-        mbarrier.wait(epi_bar, it & 1)
+        mbarrier.wait(epi_bar, loads & 1)
+        loads += 1
         h = h + buf.load(layout).to(gl.float32)
         thread_barrier()  # every thread has read the tile before any stages y into it
     if NORM:
         if C == 1:
             if IS_RMS:
                 rstd = gl.rsqrt(gl.sum(h * h, axis=1) / N + eps)
-                mean = rstd
                 hh = h * gl.expand_dims(rstd, 1)
             else:
                 mean = gl.sum(h, axis=1) / N
@@ -151,23 +251,27 @@ def _mm_norm_epilogue(acc, off_m, off_n, rank, c_bufs, buf0: gl.constexpr, epi_b
                     d = gl.where(gl.expand_dims(cmask, 0), d, 0.0)
                 rstd = gl.rsqrt(gl.sum(d * d, axis=1) / N + eps)
                 hh = d * gl.expand_dims(rstd, 1)
+                gl.store(mean_ptr + rows, mean, mask=rmask)
+            gl.store(rstd_ptr + rows, rstd, mask=rmask)
+            tma.store_wait(0)  # the staging tiles' previous stores
+            _store_normed(hh, cols, off_m, off_n, c_bufs, buf0, y_desc, hh_desc, w_ptr, nb_ptr, FLAGS)
         else:
-            hh, mean, rstd = _row_stats_exchange(h, cols, cmask, rows, rmask, rank, N, p1_ptr, p2_ptr, eps, BN, C,
-                                                 IS_RMS, EVEN_N)
-        first = rmask & (rank == 0)  # one CTA of a cluster writes the row statistics
-        gl.store(rstd_ptr + rows, rstd, mask=first)
-        if not IS_RMS:
-            gl.store(mean_ptr + rows, mean, mask=first)
-        if C == 1:
-            tma.store_wait(0)  # the staging tiles' previous stores (the cluster path waited above)
-        # hh leaves before y is formed, so the two [BM, BN] tiles are never live at once (registers)
-        if SAVE_NORMED:
-            stage_store(hh, hh_desc, c_bufs.index(buf0 + 1), off_m, off_n)
-        if HAS_W:
-            hh = hh * load_vector(w_ptr, cols)
-        if HAS_NB:
-            hh = hh + load_vector(nb_ptr, cols)
-        stage_store(hh, y_desc, c_bufs.index(buf0), off_m, off_n)
+            # publish this tile's partials (slot pn of P per row)
+            x, s1, s2 = _tile_partial(h, cmask, N, pn, BN, IS_RMS, EVEN_N)
+            gl.store(p1_ptr + rows * P + pn, s1, mask=rmask)
+            if not IS_RMS:
+                gl.store(p2_ptr + rows * P + pn, s2, mask=rmask)
+            park = False
+            if SPAN > 1:
+                park = t < SPAN - 1
+            if park:
+                # not the row block's last tile of this CTA: park x in y (rounded to y's dtype; LayerNorm's
+                # is centred on the tile mean) until the row statistics are known
+                tma.store_wait(0)
+                stage_store(x, y_desc, c_bufs.index(buf0), off_m, off_n)
+            else:
+                _last_tile(x, s1, rows, rmask, cols, off_m, off_n, pn, c_bufs, buf0, epi_bar, loads, y_desc, hh_desc,
+                           w_ptr, nb_ptr, mean_ptr, rstd_ptr, p1_ptr, p2_ptr, eps, M, N, FLAGS, layout)
     else:
         tma.store_wait(0)
         stage_store(h, y_desc, c_bufs.index(buf0), off_m, off_n)
@@ -179,13 +283,16 @@ def mm_norm_kernel(a_desc, b_desc, y_desc, hh_desc, res_desc, bias_ptr, w_ptr, n
                    HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, HAS_W: gl.constexpr, HAS_NB: gl.constexpr,
                    IS_RMS: gl.constexpr, SAVE_NORMED: gl.constexpr, NORM: gl.constexpr, EVEN_N: gl.constexpr,
                    NUM_OUT: gl.constexpr,
-                   SYNC: gl.constexpr, NUM_STAGES: gl.constexpr, C: gl.constexpr, NCONS: gl.constexpr,
+                   SYNC: gl.constexpr, NUM_STAGES: gl.constexpr, C: gl.constexpr, SPAN: gl.constexpr,
+                   NCONS: gl.constexpr,
                    B_KN: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
                    num_warps: gl.constexpr):
     eargs = (y_desc, hh_desc, bias_ptr, res_desc, w_ptr, nb_ptr, mean_ptr, rstd_ptr, p1_ptr, p2_ptr, eps)
     FLAGS: gl.constexpr = (HAS_BIAS * 1 + HAS_RES * 2 + HAS_W * 4 + HAS_NB * 8 + IS_RMS * 16 + SAVE_NORMED * 32
-                           + NORM * 64 + EVEN_N * 128 + C * 256)
-    gemm_ws(a_desc, b_desc, y_desc, M, N, K, _mm_norm_epilogue, eargs, FLAGS, NUM_OUT, SYNC, NUM_STAGES, C, NCONS, B_KN,
+                           + NORM * 64 + EVEN_N * 128 + (SAVE_NORMED and NUM_OUT == 1) * 256 + C * 512
+                           + SPAN * 8192)
+    gemm_ws(a_desc, b_desc, y_desc, M, N, K, _mm_norm_epilogue, eargs, FLAGS, NUM_OUT, SYNC, NUM_STAGES, C, SPAN, NCONS,
+            B_KN,
             LOAD_WARPS, LOAD_REGS, MMA_REGS, num_warps)
 
 
@@ -239,7 +346,8 @@ def unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed)
         if t is not None and t.stride(0) != 1:
             return f"{name} not contiguous"
     if cluster_size(n) is None:
-        return f"N={n}: rows wider than {MAX_TILE_N} x 8 or 16 tiles are not supported on this path yet"
+        return (f"N={n}: not split evenly over a cluster of at most 8 CTAs of up to {MAX_SPAN} tiles of "
+                f"{MAX_TILE_N} columns each")
     if not isinstance(a, torch._subclasses.FakeTensor):
         for name, t in (("a", a), ("b", b.t() if b_layout(a, b) == "nk" else b)):
             if not _tma_ok(t):
@@ -251,12 +359,26 @@ def pow2_tile(n: int) -> int:
     return max(32, 1 << max(0, n - 1).bit_length())
 
 
+MAX_SPAN = 4  # N tiles per CTA per row block: rows up to 8 x 4 x 256 = 8192 wide
+
+
+def cluster_shape(n: int, bn: int = MAX_TILE_N) -> Optional[tuple[int, int]]:
+    """(CTAs per cluster, N tiles per CTA) for rows of n columns in tiles of bn: (1, 1) when a row fits one
+    tile; rows of up to 8 tiles take one tile per CTA of a cluster; wider rows the fewest tiles per CTA (at
+    most MAX_SPAN) that split them evenly over a cluster of at most 8 (None when none does)."""
+    if n <= MAX_TILE_N and bn >= pow2_tile(n):
+        return 1, 1
+    tiles = -(-n // bn)
+    for span in range(-(-tiles // max(L.CLUSTER_SIZES)), MAX_SPAN + 1):
+        if tiles % span == 0 and tiles // span in L.CLUSTER_SIZES:
+            return tiles // span, span
+    return None
+
+
 def cluster_size(n: int, bn: int = MAX_TILE_N) -> Optional[int]:
     """CTAs per cluster for rows of n columns in tiles of bn (1 when a row fits one tile)."""
-    if n <= MAX_TILE_N and bn >= pow2_tile(n):
-        return 1
-    c = -(-n // bn)
-    return c if c in L.CLUSTER_SIZES else None
+    shape = cluster_shape(n, bn)
+    return shape[0] if shape is not None else None
 
 
 def _fit(kind: str, bm: int, bn: int, bk: int, stages: int, warps: int, staging: int):
@@ -270,27 +392,31 @@ def _fit(kind: str, bm: int, bn: int, bk: int, stages: int, warps: int, staging:
 
 
 def candidates(a: Tensor, b: Tensor, save_normed: bool) -> list:
-    """Configurations worth timing for this shape, best guess first (short: each is timed once per shape)."""
+    """Configurations worth timing for this shape, best guess first (short: each is timed once per shape).
+    From the H200 probe (docs/design.md): ping-pong 128-row tiles up to N = 128; at N = 256 the 128x256
+    cooperative tile wins at large K and the 64-row ones at small K; wider rows take 128x256 tiles in clusters
+    (128x128 tiles lost at every N measured, 16-CTA clusters ran their GEMM at 1.6x cuBLAS time)."""
     k = a.shape[1]
     n = b.shape[1]
     bk = 64 if k >= 64 else 32
-    outs = 2 if save_normed else 1
-    out = []
+
+    def fit(kind, bm, bn, stages, warps):
+        ncons = 2 if kind == "gl_pp" else 1
+        cfg = _fit(kind, bm, bn, bk, stages, warps, 2 * ncons if save_normed else ncons)
+        if save_normed and (cfg is None or cfg.stages < 3):
+            cfg = _fit(kind, bm, bn, bk, stages, warps, ncons)  # hh and y take turns in one staging tile
+        return cfg
+
     if n <= MAX_TILE_N:
         bn = pow2_tile(n)
         if bn <= 128:
-            out += [_fit("gl_pp", 128, bn, bk, 6, 4, 2 * outs), _fit("gl_coop", 128, bn, bk, 6, 4, outs)]
+            out = [fit("gl_pp", 128, bn, 6, 4), fit("gl_coop", 128, bn, 6, 4)]
         else:
-            out += [_fit("gl_coop", 128, bn, bk, 4, 8, outs), _fit("gl_pp", 64, bn, bk, 4, 4, 2 * outs),
-                    _fit("gl_coop", 64, bn, bk, 4, 4, outs)]
+            out = [fit("gl_coop", 128, bn, 4, 8), fit("gl_pp", 64, bn, 4, 4), fit("gl_coop", 64, bn, 4, 4)]
+    elif cluster_size(n, MAX_TILE_N) is not None:
+        out = [fit("gl_cluster", 128, MAX_TILE_N, 4, 8), fit("gl_cluster", 64, MAX_TILE_N, 4, 4)]
     else:
-        for bn in (256, 128):
-            if cluster_size(n, bn) is not None:
-                bm, warps = (128, 8) if bn == 256 else (128, 4)
-                cfg = _fit("gl_cluster", bm, bn, bk, 4, warps, outs)
-                if cfg is None or cfg.stages < 3:
-                    cfg = _fit("gl_cluster", 64, bn, bk, 4, 4, outs)
-                out.append(cfg)
+        out = []
     return [c for c in out if c is not None and c.stages >= 2]
 
 
@@ -316,23 +442,28 @@ class Launch(NamedTuple):
     """What a config and the op's flags fix about the kernel: its compile-time shape and launch options."""
 
     cluster: int  # CTAs per cluster (1: the tile schedule)
+    span: int  # N tiles each CTA of a cluster computes per row block
     ncons: int  # consumer partitions (2: ping-pong)
     norm: bool  # the norm epilogue (False: the plain GEMM base)
     sync: bool  # the epilogue crosses the cluster barrier
     save: bool  # hh is written
+    num_out: int  # staging tiles per consumer: 2 when hh has its own, 1 when hh and y take turns in one
     load_warps: int
     num_warps: int  # of each consumer partition
     maxnreg: int
 
 
 def launch_shape(config, n: int, save_normed: bool, gemm_only: bool) -> Launch:
-    cluster = cluster_size(n, config.block_n) if config.kind == "gl_cluster" else 1
+    cluster, span = (cluster_shape(n, config.block_n) or (None, None)) if config.kind == "gl_cluster" else (1, 1)
     ncons = 2 if config.kind == "gl_pp" else 1
     norm = not gemm_only
     sync = norm and cluster is not None and cluster > 1
     load_warps = 4 if sync else 1  # a cluster barrier needs every thread: no padding warps (gemm_core)
     warps = 4 if ncons == 2 else config.warps
-    return Launch(cluster, ncons, norm, sync, save_normed and norm, load_warps, warps,
+    save = save_normed and norm
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    num_out = 2 if save and L.smem_bytes(bm, bn, bk, config.stages, 2 * ncons) <= L.SMEM_LIMIT else 1
+    return Launch(cluster, span, ncons, norm, sync, save, num_out, load_warps, warps,
                   L.maxnreg(L.padded_warps(load_warps) + warps * ncons))
 
 
@@ -357,10 +488,14 @@ def kernel_args(a, b, bias, residual, weight, norm_bias, eps, is_rms, y, hh, mea
         m, n, k, float(eps),
         bias is not None, residual is not None, weight is not None, norm_bias is not None, bool(is_rms), save,
         shape.norm,
-        n % bn == 0, 2 if save else 1, shape.sync, config.stages, shape.cluster, shape.ncons, kn, shape.load_warps,
-        40, 232,
+        n % bn == 0, shape.num_out, shape.sync, config.stages, shape.cluster, shape.span, shape.ncons, kn,
+        shape.load_warps,
+        LOAD_REGS, MMA_REGS,
     )
     return args
+
+
+ALLOW_SPILLS = False  # the probe benchmark times spilling specializations too (--allow-spills)
 
 
 class SpillError(RuntimeError):
@@ -378,14 +513,14 @@ def mm_norm_gluon(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_nor
     if c is None:
         raise ValueError(f"{config.label()}: N={n} needs an unsupported cluster size")
     if shape.sync:
-        p1 = alloc((m, c), torch.float32)
-        p2 = alloc((m, c), torch.float32) if not is_rms else p1
+        p1 = alloc((m, c * shape.span), torch.float32)
+        p2 = alloc((m, c * shape.span), torch.float32) if not is_rms else p1
     else:
         p1 = p2 = rstd
     args = kernel_args(a, b, bias, residual, weight, norm_bias, eps, is_rms, y, hh, mean, rstd, p1, p2, config, shape)
     options = dict(num_warps=shape.num_warps, maxnreg=shape.maxnreg)
     compiled = L.compiled_kernel(mm_norm_kernel, args, c, **options)
-    if getattr(compiled, "n_spills", 0):
+    if getattr(compiled, "n_spills", 0) and not ALLOW_SPILLS:
         # A few epilogue specializations spill on triton 3.6 (test_gluon_compile.py lists which); they are
         # never launched: the caller falls back to the tl kernels.
         raise SpillError(f"{config.label()}: this specialization spills registers ({compiled.n_spills})")
@@ -404,7 +539,7 @@ def mm_norm_gluon(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_nor
 _PARAMS = (
     "a_desc", "b_desc", "y_desc", "hh_desc", "res_desc", "bias_ptr", "w_ptr", "nb_ptr", "mean_ptr", "rstd_ptr",
     "p1_ptr", "p2_ptr", "M", "N", "K", "eps", "HAS_BIAS", "HAS_RES", "HAS_W", "HAS_NB", "IS_RMS",
-    "SAVE_NORMED", "NORM", "EVEN_N", "NUM_OUT", "SYNC", "NUM_STAGES", "C", "NCONS", "B_KN", "LOAD_WARPS", "LOAD_REGS",
+    "SAVE_NORMED", "NORM", "EVEN_N", "NUM_OUT", "SYNC", "NUM_STAGES", "C", "SPAN", "NCONS", "B_KN", "LOAD_WARPS", "LOAD_REGS",
     "MMA_REGS", "num_warps",
 )
 
@@ -426,15 +561,15 @@ def compile_offline(config, n: int, k: int, *, is_rms: bool, affine: bool, bias:
     )
     constexprs = dict(
         HAS_BIAS=bias, HAS_RES=residual, HAS_W=affine, HAS_NB=affine and not is_rms, IS_RMS=is_rms, SAVE_NORMED=save,
-        NORM=shape.norm, EVEN_N=n % bn == 0, NUM_OUT=2 if save else 1, SYNC=shape.sync, NUM_STAGES=config.stages,
-        C=shape.cluster, NCONS=shape.ncons, B_KN=b_kn, LOAD_WARPS=shape.load_warps, LOAD_REGS=40, MMA_REGS=232,
+        NORM=shape.norm, EVEN_N=n % bn == 0, NUM_OUT=shape.num_out, SYNC=shape.sync, NUM_STAGES=config.stages,
+        C=shape.cluster, SPAN=shape.span, NCONS=shape.ncons, B_KN=b_kn, LOAD_WARPS=shape.load_warps, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS,
         num_warps=shape.num_warps,
     )
     signature = {p: values.get(p, "constexpr") for p in _PARAMS}
     return compile_sm90(mm_norm_kernel, signature, constexprs, shape.num_warps, shape.maxnreg)
 
 
-OFFLINE_NS = (40, 64, 96, 128, 200, 256, 320, 512, 1000, 1024, 2048, 4096)
+OFFLINE_NS = (40, 64, 96, 128, 200, 256, 320, 512, 1000, 1024, 2048, 3000, 4096, 8192)
 OFFLINE_KS = (40, 512)
 OFFLINE_FLAGS = {
     # the most registers and shared memory: LayerNorm with every input and hh saved
@@ -455,7 +590,7 @@ def offline_variants() -> list[dict]:
             b = torch.empty((k, n), device="meta", dtype=torch.bfloat16)
             for save in (False, True):
                 for cfg in candidates(a, b, save):
-                    c = cluster_size(n, cfg.block_n) if cfg.kind == "gl_cluster" else 1
+                    c = cluster_shape(n, cfg.block_n) if cfg.kind == "gl_cluster" else (1, 1)
                     seen.setdefault((cfg, c, n % cfg.block_n == 0, save), (cfg, n, save))
     out = []
     for cfg, n, save in seen.values():
