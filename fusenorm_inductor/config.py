@@ -96,9 +96,11 @@ class patterns:
 
 
 # Run the post-norm forward on the Gluon sm_90 kernels (fusenorm_inductor/kernels/hopper/) where they take
-# the inputs (sm_90 GPU, a triton with the Gluon API, 16-bit TMA-aligned operands, N <= 4096). Off until
-# their numerics have passed on the H200: then the `tl` kernels run as before.
-gluon: bool = Config(default=_env_bool("FUSENORM_GLUON", False))
+# the inputs (sm_90 GPU, a triton with the Gluon API, 16-bit TMA-aligned operands, N up to 8192 split evenly
+# over a cluster); elsewhere, or off, the `tl` kernels run. On by default since their numerics passed on the
+# H200 and they beat the `tl` kernels at every shape measured (README, Performance); the per-shape dispatch
+# still keeps a shape unfused where the fused kernel does not win.
+gluon: bool = Config(default=_env_bool("FUSENORM_GLUON", True))
 
 # Let the fused kernels for rows wider than one tile (N > 256) exchange row statistics between programs
 # that wait for each other ("spin" kernels, docs/design.md). They launch at most one program per SM, so all
@@ -122,6 +124,10 @@ class tuning:
     # faster at up to 1.22x slower than Inductor in the benchmark; 20% was the smallest margin with no
     # slower point in that run. Lower it only with your own measurements.
     margin: float = 0.20
+    # The same for the Gluon sm_90 kernels, whose timings spread less: in their H200 benchmark
+    # (benchmarks/results/gemm_norm_gluon_fwd_h200.json) every shape measured >= 13% faster than the
+    # estimate was faster than Inductor; 15% keeps a little room.
+    margin_gluon: float = 0.15
     # Milliseconds of CUDA-graph replays per timed candidate.
     rep_ms: float = 25.0
 

@@ -206,3 +206,16 @@ def test_compile_measures_prenorm(recwarn):
     entries = _report_entries("norm_linear_fwd")
     assert entries and all(MEASURED.search(e) for e in entries), entries
     assert not [w for w in recwarn if "fusenorm" in str(w.message)], [str(w.message) for w in recwarn]
+
+
+@pytest.mark.parametrize("kind, fused", [("gl_coop", True), ("row", False)])
+def test_gluon_configs_fuse_at_their_own_margin(monkeypatch, kind, fused):
+    """17% under the unfused estimate: above the Gluon kernels' margin (15%), below the tl kernels' (20%)."""
+    monkeypatch.setattr(tuning, "_can_measure", lambda device: True)
+    monkeypatch.setattr(tuning, "_lookup", lambda key: None)
+    monkeypatch.setattr(tuning, "_store", lambda key, entry: None)
+    entry = {"config": [kind, 128, 128, 64, 4, 4], "t_fused_ms": 0.83, "t_unfused_ms": 1.0, "candidates": {}}
+    choice = tuning._choice(("k",), torch.device("cuda"), lambda: entry, lambda: "first")
+    assert choice.fuse is fused and choice.config.startswith(kind), choice
+    with config.patch({"tuning.margin_gluon": 0.2, "tuning.margin": 0.15}):
+        assert tuning._choice(("k",), torch.device("cuda"), lambda: entry, lambda: "first").fuse is not fused

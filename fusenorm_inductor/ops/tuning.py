@@ -501,7 +501,8 @@ def _choice(key, device, measure: Callable[[], dict], default_label: Callable[[]
     label = _config_of(entry).label()
     if t_u is None:
         return Choice(True, label, f"fused ({_PROBE_FAILED})")
-    fuse = t_f < t_u * (1.0 - config.tuning.margin)
+    margin = config.tuning.margin_gluon if label.startswith("gl_") else config.tuning.margin
+    fuse = t_f < t_u * (1.0 - margin)
     verdict = "fused" if fuse else "left unfused: fusion would not win"
     reason = f"{verdict} (measured {t_f:.4g} ms fused [{label}] vs {t_u:.4g} ms {what})"
     return Choice(fuse, label, reason, t_f, t_u)
