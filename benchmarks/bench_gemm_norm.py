@@ -5,14 +5,17 @@ off / on (``--affine``; "on" = a weight ~ 1 + 0.1 randn and, for LayerNorm, a bi
 backward (``--dirs``). Inputs are randn, GEMM weights scaled by 1/sqrt(K); eps 1e-5 (LN), 1e-6 (RMS).
 Per point, four timings of GPU work (``--timer cudagraph``: ``do_bench_cudagraph``, GPU time alone;
 ``events``: ``do_bench``), medians; cuBLAS, the unfused function, the fused op and its GEMM base are timed
-in ``--rounds`` alternating rounds (median of the rounds). ``--gluon`` runs fusenorm's Gluon sm_90 kernels
-(``config.gluon``) where they apply; t_base_ms is then the Gluon GEMM core with a plain epilogue:
+in ``--rounds`` alternating rounds (median of the rounds). fusenorm runs its Gluon sm_90 kernels where they
+apply (``config.gluon``, on by default; ``--no-gluon``: the ``tl`` kernels); t_base_ms is the GEMM core of
+the kernel timed with a plain epilogue:
 
 fwd  ``y = norm(a @ W.T)``, a [M, K], W [N, K] (an nn.Linear weight); all under no_grad
     t_mm       cuBLAS ``torch.mm(a, W.t())``
     t_norm     Inductor's norm alone on h [M, N]                           (torch.compile, dynamic=False)
     t_unfused  Inductor's ``norm(F.linear(a, W))``: cuBLAS GEMM, then Inductor's norm kernel
-    t_fused    ``fusenorm::mm_norm(a, W.t(), ...)`` with save_normed = affine (what training runs)
+    t_fused    ``fusenorm::mm_norm(a, W.t(), ...)`` as fusenorm runs it under no_grad: y (and mean/rstd) only;
+               ``--fwd-save-normed`` times what a training forward with an affine norm runs instead
+               (save_normed: hh written beside y for the backward, one more [M, N] write)
 bwd  data gradient of ``z = norm(h) @ W2.T`` (W2 [K, N]), regrouped: ``dx = norm_backward(dz @ W2)``
     t_mm       cuBLAS ``torch.mm(dz, W2)``
     t_norm     Inductor's norm backward alone on dn [M, N]: dx, and dw (db) with affine
@@ -71,6 +74,7 @@ import torch.nn.functional as F
 
 DTYPE = torch.bfloat16
 ELEM = 2  # bytes per bf16 element
+FWD_SAVE_NORMED = False  # --fwd-save-normed
 EPS = {"layer": 1e-5, "rms": 1e-6}
 DEFAULTS = {"rows": 262144, "K": "256,512,1024,2048,4096", "N": "128,256,512,1024,2048,4096,8192"}
 DRY_DEFAULTS = {"rows": 64, "K": "32", "N": "40"}
@@ -283,8 +287,9 @@ def gemm_call(p: Point, case: Case) -> Callable:
 def fused_op_args(p: Point, case: Case) -> tuple[Callable, tuple]:
     """The fused op and its arguments; tuning's forward_choice / backward_choice take the same ones."""
     if p.dir == "fwd":
-        args = (case.a, case.W.t(), None, None, case.weight, case.norm_bias, case.eps, case.is_rms, DTYPE, p.affine)
-        return torch.ops.fusenorm.mm_norm, args  # save_normed = affine: training saves hh for the backward
+        save = FWD_SAVE_NORMED and p.affine  # training with an affine norm saves hh for the backward
+        args = (case.a, case.W.t(), None, None, case.weight, case.norm_bias, case.eps, case.is_rms, DTYPE, save)
+        return torch.ops.fusenorm.mm_norm, args
     _, rstd = case.stats
     hh = case.hh
     # src = hh (without affine the forward saves y, which equals hh): src_is_normed, no mean needed
@@ -297,7 +302,7 @@ def fused_bytes(p: Point, m: int) -> int:
     k, n = p.K, p.N
     n_params = int(p.affine) + int(p.affine and p.norm == "layer")  # weight, bias
     if p.dir == "fwd":  # a, W, y, hh (save_normed), rstd (+ mean), weight/bias
-        outs = 1 + int(p.affine)
+        outs = 1 + int(p.affine and FWD_SAVE_NORMED)
         return ELEM * (m * k + n * k + outs * m * n + n_params * n) + 4 * m * (1 if p.norm == "rms" else 2)
     # dz, W2, src, dx, rstd, weight, dw/db (fp32)
     return ELEM * (m * k + k * n + 2 * m * n) + 4 * m + ELEM * n * int(p.affine) + 4 * n * n_params
@@ -796,13 +801,13 @@ def merge(paths: list[str], key: Callable[[dict], tuple] | None = None) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def setup_torch(tuning_rep_ms: float | None = None, gluon: bool = False) -> dict:
+def setup_torch(tuning_rep_ms: float | None = None, gluon: bool = True) -> dict:
     """The same state in the workers and the main process, so their FX graph cache keys agree; returns
     fusenorm's tuning settings for the meta block."""
     import fusenorm_inductor  # registers torch.ops.fusenorm.*
 
-    if gluon:
-        fusenorm_inductor.config.gluon = True
+    if not gluon:
+        fusenorm_inductor.config.gluon = False
 
     if fusenorm_inductor.config.enabled:  # FUSENORM_ENABLE=1: the baselines must be plain Inductor
         fusenorm_inductor.disable()
@@ -953,6 +958,7 @@ def meta_block(args, device: str, ceilings: dict) -> dict:
         "rows": args.rows,
         "eps": EPS,
         "ceilings": ceilings,
+        "fwd_fused_saves": "y and hh (training, --fwd-save-normed)" if args.fwd_save_normed else "y (no_grad)",
         "grid": {"K": args.K, "N": args.N, "norms": args.norms, "affine": args.affine, "dirs": args.dirs},
         "metrics": {
             "hidden": "(t_unfused - t_fused) / t_norm",
@@ -983,8 +989,11 @@ def parse_args(argv=None):
     p.add_argument("--rep-ms", type=float, default=50.0, help="GPU time spent measuring each timing (default 50)")
     p.add_argument("--rounds", type=int, default=3,
                    help="timing rounds per point, alternating cuBLAS / unfused / fused / GEMM base; medians (default 3)")
-    p.add_argument("--gluon", action="store_true",
-                   help="run fusenorm's Gluon sm_90 kernels where they apply (config.gluon; FUSENORM_GLUON=1)")
+    p.add_argument("--fwd-save-normed", action="store_true",
+                   help="fwd: time the fused op as a training forward runs it (affine: hh saved beside y); "
+                        "default: as fusenorm runs it under no_grad, like the unfused function timed")
+    p.add_argument("--no-gluon", dest="gluon", action="store_false",
+                   help="run fusenorm's tl kernels where the Gluon sm_90 ones would apply (config.gluon = False)")
     p.add_argument("--tuning-rep-ms", type=float, default=None,
                    help="fusenorm_inductor.config.tuning.rep_ms for the dispatch's own measurements (default: "
                         "fusenorm's); lower it to save GPU time")
@@ -1030,6 +1039,8 @@ def _choices(p, flag: str, value: str, allowed: tuple) -> list[str]:
 
 
 def run(args, device: str) -> dict:
+    global FWD_SAVE_NORMED
+    FWD_SAVE_NORMED = args.fwd_save_normed
     t_start = time.time()
     done = done_rows(args)
     points = todo_points(args, done)

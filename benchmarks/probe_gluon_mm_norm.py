@@ -2,7 +2,7 @@
 
 Per shape (M = 262144 by default, bf16, forward): cuBLAS ``a @ W.T``; Inductor's norm alone and Inductor's
 ``norm(linear(a))`` (dynamic=False); for each Gluon candidate its GEMM base (plain epilogue) and the fused
-op (save_normed = affine). Timed in interleaved rounds (``--rounds``), CUDA-graph medians; one JSON object per
+op (y only; --save-normed: y and hh). Timed in interleaved rounds (``--rounds``), CUDA-graph medians; one JSON object per
 line to stdout and ``--out``. This is the fast loop for choosing candidates; the targets are measured by
 bench_gemm_norm.py.
 
@@ -27,6 +27,10 @@ def main():
                    help="KxN comma list")
     p.add_argument("--norms", default="rms,layer")
     p.add_argument("--affine", default="on")
+    p.add_argument("--save-normed", action="store_true", help="affine: also write hh (a training forward)")
+    p.add_argument("--configs", default="",
+                   help="extra configs to time beside the candidates, comma list of kind:BMxBNxBK:stages:warps")
+    p.add_argument("--allow-spills", action="store_true", help="time specializations that spill registers too")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--rep-ms", type=float, default=40.0)
     p.add_argument("--out", default=None)
@@ -37,6 +41,7 @@ def main():
     from fusenorm_inductor.kernels.hopper import mm_norm as hopper
     from fusenorm_inductor.ops import mm_norm_kernels as fk
 
+    hopper.ALLOW_SPILLS = args.allow_spills
     out = open(args.out, "a") if args.out else None
     m = args.rows
     dev = "cuda"
@@ -66,8 +71,10 @@ def main():
                     ref = c_unf(a, W)
                     c_norm(h)
                 fns = {"cublas": lambda: torch.mm(a, W.t()), "norm": lambda: c_norm(h), "unfused": lambda: c_unf(a, W)}
-                args_op = (a, W.t(), None, None, w, nb, eps, is_rms, None, affine)
-                cands = hopper.candidates(a, W.t(), affine)
+                save = affine and args.save_normed
+                args_op = (a, W.t(), None, None, w, nb, eps, is_rms, None, save)
+                cands = hopper.candidates(a, W.t(), save)
+                cands += [c for c in _extra(args.configs, n) if c not in cands]
                 errs = {}
                 for cfg in cands:
                     lab = cfg.label()
@@ -105,6 +112,22 @@ def main():
                     out.flush()
                 del fns, h, ref
                 torch.cuda.empty_cache()
+
+
+def _extra(spec: str, n: int) -> list:
+    """--configs entries that apply to rows of n columns (a cluster config only where cluster_size allows)."""
+    from fusenorm_inductor.kernels.hopper import mm_norm as hopper
+    from fusenorm_inductor.ops._triton_common import GemmConfig
+
+    out = []
+    for item in filter(None, spec.split(",")):
+        kind, tile, st, w = item.split(":")
+        bm, bn, bk = (int(x) for x in tile.split("x"))
+        cfg = GemmConfig(kind, bm, bn, bk, int(st), int(w))
+        c = hopper.cluster_size(n, bn)
+        if (kind == "gl_cluster") == (c is not None and c > 1) and (c is not None):
+            out.append(cfg)
+    return out
 
 
 if __name__ == "__main__":
