@@ -375,9 +375,9 @@ def measure_ceilings(bench: Bench, device: str, dry: bool) -> dict:
     n = 256 if dry else 8192
     numel = (1 << 20) if dry else (1 << 29)  # 1 GiB of bf16: far beyond L2
     if device == "cuda":
-        from fusenorm_inductor.ops import tuning
+        from fusenorm_inductor.ops import measure
 
-        copy_gbps = tuning.copy_bandwidth_gbps(torch.device("cuda"))
+        copy_gbps = measure.copy_bandwidth_gbps(torch.device("cuda"))
     else:
         copy_gbps = 2 * numel * ELEM / _time_copy(bench, device, numel) / 1e6
     return {
@@ -506,12 +506,11 @@ def gemm_base(p: Point, op_args: tuple) -> tuple[Callable, str]:
     compare with cuBLAS (t_base / t_mm)."""
     from fusenorm_inductor.ops import mm_norm_backward_kernels as bk
     from fusenorm_inductor.ops import mm_norm_kernels as fk
-    from fusenorm_inductor.ops import tuning
 
     if p.dir == "fwd":
-        cfg = tuning.forward_config(*op_args)
+        cfg = fk.forward_config(*op_args)
         return (lambda: fk.mm_norm_triton(*op_args, config=cfg, gemm_only=True)), cfg.label()
-    cfg = tuning.backward_config(*op_args)
+    cfg = bk.backward_config(*op_args)
     return (lambda: bk.mm_norm_backward_triton(*op_args, config=cfg, gemm_only=True)), cfg.label()
 
 
@@ -898,14 +897,13 @@ def warm_fused_kernels(p: Point, m: int, device: str) -> None:
     on-disk cache holds their binaries before the main process tunes and times them."""
     from fusenorm_inductor.ops import mm_norm_backward_kernels as bk
     from fusenorm_inductor.ops import mm_norm_kernels as fk
-    from fusenorm_inductor.ops import tuning
 
     try:
         with torch.no_grad():
             case = Case(p, m, device)
             _, args = fused_op_args(p, case)
             if p.dir == "fwd":
-                out_bytes = tuning.forward_out_bytes(args[0], args[3], args[8], args[9])
+                out_bytes = fk.forward_out_bytes(args[0], args[3], args[8], args[9])
                 launch, cands = fk.mm_norm_triton, fk.forward_candidates(args[0], args[1], p.N, out_bytes)
             else:
                 out_bytes = 4 if args[10] == torch.float32 else 2

@@ -59,11 +59,13 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-import _common  # noqa: E402  (examples/_common.py: training loop, report summary, plots)
+import _common  # noqa: E402  (examples/_common.py: training loop, plots)
 import bench_gemm_norm as gn  # noqa: E402  (the harness: JSON, PNG path, git commit, torch setup)
 import train_hf  # noqa: E402
 import train_mlp  # noqa: E402
 import train_pffn  # noqa: E402
+
+from fusenorm_inductor.report import format_summary  # noqa: E402
 
 DEFAULT_OUT = "benchmarks/results/models_h200.json"
 DRY_OUT = "/tmp/models_dry_run.json"
@@ -438,7 +440,7 @@ def main(argv=None) -> dict:
         row["wall_s"] = time.time() - t0
         rows.append(row)
         if "report" in row:
-            log(_common.format_summary(row["report"]))
+            log(format_summary(row["report"]))
         log(f"   {name}: {row['wall_s']:.0f} s")
         gn.write_json(args.out, {"meta": {**meta, "partial": True}, "rows": rows}, quiet=True)
     meta["wall_s"] = time.time() - t_start

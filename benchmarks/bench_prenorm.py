@@ -259,10 +259,10 @@ def compile_only(args, device: str) -> None:
     were taken next to the other workers, the main process measures again alone."""
     import torch._inductor.config as inductor_config
 
-    from fusenorm_inductor.ops import tuning
+    from fusenorm_inductor.ops import measure
 
     inductor_config.autotune_local_cache = False  # as bench_gemm_norm: the main process autotunes alone
-    tuning._write_disk = lambda key, entry: None
+    measure._write_disk = lambda key, entry: None
     i, n = map(int, args.shard.split("/"))
     mine = work_items(todo_points(args, done_rows(args)))[i::n]
     t0 = time.time()

@@ -16,7 +16,7 @@ import torch
 from fusenorm_inductor import config
 from fusenorm_inductor.ops import mm_norm_backward_kernels as bk
 from fusenorm_inductor.ops import mm_norm_kernels as fk
-from fusenorm_inductor.ops import tuning
+from fusenorm_inductor.ops import measure
 
 M = 262144
 BF16 = torch.bfloat16
@@ -36,19 +36,19 @@ def probe(k: int, n: int, variant: str) -> None:
     weight = torch.ones(n, device="cuda") if affine else None
     nbias = torch.zeros(n, device="cuda") if affine and not is_rms else None
     t0 = time.time()
-    e = tuning._measure_forward(a, w.t(), None, None, weight, nbias, EPS, is_rms, BF16, affine)
-    best = tuning._config_of(e)
+    e = fk.measure_forward(a, w.t(), None, None, weight, nbias, EPS, is_rms, BF16, affine)
+    best = measure.config_of(e)
     args = (a, w.t(), None, None, None, None, EPS, is_rms, BF16, False)
-    t_base = tuning._time_ms(lambda: fk.mm_norm_triton(*args, config=best, gemm_only=True))
+    t_base = measure.time_ms(lambda: fk.mm_norm_triton(*args, config=best, gemm_only=True))
     print(line("FWD", k, n, variant, e, t_base) + f" ({time.time() - t0:.0f}s)", flush=True)
     # Backward: dz [M, K] @ W2 [K, N], from a saved normalized tensor.
     w2 = torch.randn(k, n, device="cuda", dtype=BF16)
     src = torch.randn(M, n, device="cuda", dtype=BF16)
     rstd = torch.rand(M, device="cuda") + 0.5
-    e = tuning._measure_backward(a, w2, None, src, weight, None, rstd, is_rms, True, nbias is not None, BF16)
-    best = tuning._config_of(e)
+    e = bk.measure_backward(a, w2, None, src, weight, None, rstd, is_rms, True, nbias is not None, BF16)
+    best = measure.config_of(e)
     bargs = (a, w2, None, src, None, None, rstd, is_rms, True, False, BF16)
-    t_base = tuning._time_ms(lambda: bk.mm_norm_backward_triton(*bargs, config=best, gemm_only=True))
+    t_base = measure.time_ms(lambda: bk.mm_norm_backward_triton(*bargs, config=best, gemm_only=True))
     print(line("BWD", k, n, variant, e, t_base), flush=True)
 
 

@@ -28,7 +28,6 @@ import os
 import statistics
 import sys
 import time
-from collections import Counter
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -169,7 +168,7 @@ def run_backend(base: nn.Module, backend: str, batches: Sequence, loss_fn: Calla
     if backend == "fusenorm":
         reports = [r for r in fusenorm_inductor.reports() if id(r) not in seen]
         out["reports"] = reports
-        out["report"] = summarize_reports(reports)
+        out["report"] = fusenorm_inductor.report.summarize(reports)
     del compiled, model
     torch._dynamo.reset()
     if device == "cuda":
@@ -241,86 +240,6 @@ def loss_agreement(a: Sequence[float], b: Sequence[float], dtype: torch.dtype, t
 # The match report: which norm sites were fused, which not and why
 # ----------------------------------------------------------------------------------------------------------
 
-_FWD_SITE_PATTERNS = ("linear_norm_fwd", "norm_linear_fwd")
-
-
-def summarize_reports(reports: Sequence) -> dict:
-    """Norm sites of the compiled graphs and what became of each.
-
-    A norm site is a norm that fusenorm canonicalized (``canonical_*``). The attention patterns take two norms
-    each at the pre-grad stage; every other canonical norm reaches the joint graph, where ``linear_norm_fwd``
-    looks at every norm (so each gets a rewrite or a reason) and ``norm_linear_fwd`` at those left. The
-    summary lists per site: "fused" (pattern names) or the reasons given; ``unaccounted`` counts canonical
-    norms with neither (should be 0). Backward (``dgrad_norm_bwd``) and other patterns are counted apart.
-    """
-    n_canonical = 0
-    rewrites: Counter = Counter()
-    sites: dict[str, dict] = {}
-    other_skips: Counter = Counter()
-    backward = {"fused": 0, "unfused": Counter()}
-    errors: list[str] = []
-
-    def site(graph_id: str, node: str) -> dict:
-        return sites.setdefault(f"{graph_id}:{node}", {"fused": [], "reasons": []})
-
-    for rep in reports:
-        errors += [f"{rep.graph_id}: {e}" for e in rep.errors]
-        for r in rep.rewrites:
-            if r.pattern.startswith("canonical_"):
-                n_canonical += 1
-                continue
-            rewrites[r.pattern] += 1
-            if r.pattern.startswith("attention_block"):
-                for node in r.nodes[:2]:  # the LayerNorm and the RMSNorm of the block
-                    site(rep.graph_id, node)["fused"].append(r.pattern)
-            elif r.pattern in _FWD_SITE_PATTERNS:
-                site(rep.graph_id, r.nodes[0])["fused"].append(r.pattern)
-            elif r.pattern == "dgrad_norm_bwd":
-                backward["fused"] += 1
-        for s in rep.skips:
-            if s.pattern in _FWD_SITE_PATTERNS:
-                site(rep.graph_id, s.node)["reasons"].append(f"{s.pattern}: {s.reason}")
-            elif s.pattern == "dgrad_norm_bwd":
-                backward["unfused"][s.reason] += 1
-            else:
-                other_skips[f"{s.pattern}: {s.reason}"] += 1
-    fused = {k: v for k, v in sites.items() if v["fused"]}
-    unfused = {k: v for k, v in sites.items() if not v["fused"]}
-    unfused_reasons: Counter = Counter()
-    for v in unfused.values():
-        unfused_reasons[" | ".join(v["reasons"]) or "(no reason reported)"] += 1
-    return {
-        "graphs": len(reports),
-        "norm_sites": n_canonical,
-        "fused_sites": len(fused),
-        "unfused_sites": len(unfused),
-        "unaccounted_sites": max(0, n_canonical - len(sites)),
-        "rewrites": dict(sorted(rewrites.items())),
-        "fused_by": dict(Counter(p for v in fused.values() for p in dict.fromkeys(v["fused"]))),
-        "unfused_reasons": dict(unfused_reasons.most_common()),
-        "backward": {"fused": backward["fused"], "unfused": dict(backward["unfused"].most_common())},
-        "other_skips": dict(other_skips.most_common()),
-        "errors": errors,
-    }
-
-
-def format_summary(s: dict) -> str:
-    """The report summary as a few readable lines."""
-    lines = [f"norm sites: {s['norm_sites']} in {s['graphs']} graph(s); fused {s['fused_sites']}"
-             f" ({', '.join(f'{k} x{v}' for k, v in s['fused_by'].items()) or '-'}), unfused {s['unfused_sites']}"
-             + (f", UNACCOUNTED {s['unaccounted_sites']}" if s["unaccounted_sites"] else "")]
-    for reason, n in s["unfused_reasons"].items():
-        lines.append(f"  unfused x{n}: {reason}")
-    bw = s["backward"]
-    lines.append(f"backward (dgrad_norm_bwd): fused {bw['fused']}"
-                 + "".join(f"\n  unfused x{n}: {r}" for r, n in bw["unfused"].items()))
-    for reason, n in s["other_skips"].items():
-        lines.append(f"  seen, not rewritten x{n}: {reason}")
-    for e in s["errors"]:
-        lines.append(f"ERROR (graph left to Inductor): {e}")
-    return "\n".join(lines)
-
-
 def print_report(run: dict, mode: str = "full") -> None:
     """Print a fusenorm run's match report: "full" (every graph's markdown), "summary" or "none"."""
     if mode == "none" or "report" not in run:
@@ -331,6 +250,8 @@ def print_report(run: dict, mode: str = "full") -> None:
     if mode == "full":
         for rep in run["reports"]:
             print(rep.to_markdown())
+    from fusenorm_inductor.report import format_summary
+
     print(format_summary(run["report"]))
 
 

@@ -110,8 +110,8 @@ spin_exchange: bool = Config(default=_env_bool("FUSENORM_SPIN_EXCHANGE", True))
 
 
 class tuning:
-    """Per-shape measurements on the GPU (ops/tuning.py): which kernel configuration runs, and whether a
-    match is fused at all (only when the fused kernel beats cuBLAS + a copy-speed norm on that shape)."""
+    """Per-shape measurements on the GPU (ops/measure.py): which kernel configuration runs, and whether a match
+    is fused at all (ops/tuning.py: only when the fused kernel beats cuBLAS + a copy-speed norm there)."""
 
     # Measure on CUDA (once per shape, cached on disk). Off: every match is fused with the kernels' first
     # candidate configuration (the tests do this, so that small shapes are fused and checked).

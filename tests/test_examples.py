@@ -17,6 +17,7 @@ import train_hf  # noqa: E402
 import train_mlp  # noqa: E402
 import train_pffn  # noqa: E402
 
+from fusenorm_inductor import report as fn_report  # noqa: E402
 from fusenorm_inductor.report import GraphReport  # noqa: E402
 
 
@@ -92,13 +93,13 @@ def test_report_summary_accounts_for_every_norm_site():
     rep.skip("linear_norm_fwd", "joint", "norm_1", "norm input is not a linear's output")
     rep.skip("norm_linear_fwd", "joint", "norm_1", "left unfused: fusion would not win")
     rep.skip("dgrad_norm_bwd", "joint", "norm_backward_1", "left unfused: fusion would not win")
-    s = _common.summarize_reports([rep])
+    s = fn_report.summarize([rep])
     assert (s["norm_sites"], s["fused_sites"], s["unfused_sites"]) == (4, 1, 1)
     assert s["unaccounted_sites"] == 2  # two canonical norms without a rewrite or a reason
     assert s["unfused_reasons"] == {
         "linear_norm_fwd: norm input is not a linear's output | norm_linear_fwd: left unfused: fusion would not win": 1}
     assert s["backward"] == {"fused": 1, "unfused": {"left unfused: fusion would not win": 1}}
-    assert "UNACCOUNTED 2" in _common.format_summary(s)
+    assert "UNACCOUNTED 2" in fn_report.format_summary(s)
 
 
 @pytest.mark.parametrize("device, caveat", [("cpu", True), ("cuda", False)])

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from fusenorm_inductor.ops import _triton_common as common  # noqa: E402
-from fusenorm_inductor.ops import tuning  # noqa: E402
+from fusenorm_inductor.ops import mm_norm_kernels as fk  # noqa: E402
 
 from . import kernel_cases as kc  # noqa: E402  (imports the kernel modules)
 from .kernel_cases import BF16, BWD_CASES, EPS, F16, F32, FWD_CASES, NORMS, bwd_k, fwd_k  # noqa: E402
@@ -200,7 +200,7 @@ def _needs_hopper():
 def test_forward_every_candidate(mkn, case, is_rms):
     _needs_hopper()
     args = TARGET.fwd_args(FWD_CASES[case], *mkn, BF16, is_rms)
-    out_bytes = tuning.forward_out_bytes(args[0], args[3], args[8], args[9])  # fp32 y/hh: fewer stages
+    out_bytes = fk.forward_out_bytes(args[0], args[3], args[8], args[9])  # fp32 y/hh: fewer stages
     cands = fwd_k.forward_candidates(args[0], args[1], mkn[2], out_bytes)
     assert all(c.kind in ("row", "coop", "spin") for c in cands), cands
     ref = kc.mm_norm_reference(*args)

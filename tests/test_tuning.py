@@ -1,4 +1,4 @@
-"""ops/tuning.py: the per-shape kernel choice and the fuse-or-not decision, and their cache.
+"""ops/measure.py and ops/tuning.py: the per-shape kernel choice and the fuse-or-not decision, and their cache.
 
 CPU: nothing is measured (every match fuses, the kernels' first candidate runs), the config rules, the disk
 cache round trip. CUDA: a real measurement is cached on disk and found again by a fresh process state, and
@@ -13,15 +13,16 @@ import torch
 
 from fusenorm_inductor import config
 from fusenorm_inductor.ops import _triton_common as common
-from fusenorm_inductor.ops import tuning
+from fusenorm_inductor.ops import measure, mm_norm_kernels, norm_mm_kernels, tuning
+from fusenorm_inductor.ops import mm_norm_kernels as fk
 
 
 @pytest.fixture(autouse=True)
 def _fresh(tmp_path):
-    tuning.clear_memory()
+    measure.clear_memory()
     with config.patch({"tuning.cache_dir": str(tmp_path)}):
         yield
-    tuning.clear_memory()
+    measure.clear_memory()
 
 
 def _fwd_args(device, m=4096, k=256, n=256, dtype=torch.bfloat16):
@@ -48,9 +49,9 @@ def test_disk_cache_round_trip(tmp_path):
     key = ("mm_norm", torch.device("cpu"), ((8, 8), (8, 1), "torch.bfloat16"))
     entry = {"config": list(common.GemmConfig("row", 64, 64, 64, 3, 4)), "t_fused_ms": 1.0, "t_unfused_ms": 2.0,
              "candidates": {}}
-    tuning._store(key, entry)
-    tuning.clear_memory()
-    assert tuning._lookup(key) == entry
+    measure.store(key, entry)
+    measure.clear_memory()
+    assert measure.lookup(key) == entry
     files = list(tmp_path.glob("tuning-v*.json"))
     assert len(files) == 1 and len(json.loads(files[0].read_text())) == 1
 
@@ -81,11 +82,11 @@ def test_measured_choice_is_cached(monkeypatch):
         assert choice.t_fused_ms > 0 and choice.t_unfused_ms > 0, choice
         assert choice.reason.startswith("fused" if choice.fuse else "left unfused"), choice.reason
         # A new process state reads the disk cache instead of measuring again.
-        tuning.clear_memory()
-        monkeypatch.setattr(tuning, "_measure_forward", lambda *a, **k: pytest.fail("measured twice"))
+        measure.clear_memory()
+        monkeypatch.setattr(mm_norm_kernels, "measure_forward", lambda *a, **k: pytest.fail("measured twice"))
         again = tuning.forward_choice(*args)
         assert (again.config, again.t_fused_ms) == (choice.config, choice.t_fused_ms)
-        assert tuning.forward_config(*args).label() == choice.config
+        assert fk.forward_config(*args).label() == choice.config
 
 
 @cuda
@@ -99,15 +100,15 @@ def test_capture_uses_cached_config(monkeypatch, tmp_path):
     args = _fwd_args("cuda")
     cands = fk.forward_candidates(args[0], args[1], 256)
     assert len(cands) > 1
-    key = tuning._forward_key(*args[:6], args[7], args[8], args[9])
-    tuning._store(key, {"config": list(cands[1]), "t_fused_ms": 1.0, "t_unfused_ms": 2.0, "candidates": {}})
+    key = measure.forward_key(*args[:6], args[7], args[8], args[9])
+    measure.store(key, {"config": list(cands[1]), "t_fused_ms": 1.0, "t_unfused_ms": 2.0, "candidates": {}})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with config.patch({"tuning.measure": True}):
-        assert tuning.forward_config(*args) == cands[1]
-    tuning.clear_memory()  # no entry (an empty cache directory): the first candidate, nothing measured
+        assert fk.forward_config(*args) == cands[1]
+    measure.clear_memory()  # no entry (an empty cache directory): the first candidate, nothing measured
     with config.patch({"tuning.measure": True, "tuning.cache_dir": str(tmp_path / "empty")}):
-        monkeypatch.setattr(tuning, "_measure_forward", lambda *a, **k: pytest.fail("measured during capture"))
-        assert tuning.forward_config(*args) == cands[0]
+        monkeypatch.setattr(mm_norm_kernels, "measure_forward", lambda *a, **k: pytest.fail("measured during capture"))
+        assert fk.forward_config(*args) == cands[0]
 
 
 @cuda
@@ -139,18 +140,18 @@ def test_prenorm_measurement_plumbing(monkeypatch):
         runs.append(fn)
         return 1.0
 
-    monkeypatch.setattr(tuning, "_can_measure", lambda device: True)
-    monkeypatch.setattr(tuning, "_time_ms", fake_time)
-    monkeypatch.setattr(tuning, "_norm_proxy_ms", lambda *a: 0.5)  # unfused = 1.0 + 0.5
+    monkeypatch.setattr(measure, "can_measure", lambda device: True)
+    monkeypatch.setattr(measure, "time_ms", fake_time)
+    monkeypatch.setattr(measure, "norm_proxy_ms", lambda *a: 0.5)  # unfused = 1.0 + 0.5
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     a, w = (torch.randn(65, 40, dtype=torch.float16, device=dev), torch.randn(24, 40, dtype=torch.float16, device=dev))
     args = (a, w.t(), None, torch.ones(40, device=dev), None, 1e-5, False, torch.float16)
     choice = tuning.prenorm_choice(*args)
     assert len(runs) >= 2 and choice.fuse and "measured 1 ms fused" in choice.reason, choice
-    monkeypatch.setattr(tuning, "_measure_prenorm", lambda *a, **k: pytest.fail("measured twice"))
+    monkeypatch.setattr(norm_mm_kernels, "measure_prenorm", lambda *a, **k: pytest.fail("measured twice"))
     assert tuning.prenorm_choice(*args) == choice
     with config.patch({"tuning.margin": 0.5}):  # 1.0 is not below 1.5 * 0.5
-        tuning.clear_memory()
+        measure.clear_memory()
         assert not tuning.prenorm_choice(*args).fuse
 
 
@@ -211,11 +212,35 @@ def test_compile_measures_prenorm(recwarn):
 @pytest.mark.parametrize("kind, fused", [("gl_coop", True), ("row", False)])
 def test_gluon_configs_fuse_at_their_own_margin(monkeypatch, kind, fused):
     """17% under the unfused estimate: above the Gluon kernels' margin (15%), below the tl kernels' (20%)."""
-    monkeypatch.setattr(tuning, "_can_measure", lambda device: True)
-    monkeypatch.setattr(tuning, "_lookup", lambda key: None)
-    monkeypatch.setattr(tuning, "_store", lambda key, entry: None)
+    monkeypatch.setattr(measure, "can_measure", lambda device: True)
+    monkeypatch.setattr(measure, "lookup", lambda key: None)
+    monkeypatch.setattr(measure, "store", lambda key, entry: None)
     entry = {"config": [kind, 128, 128, 64, 4, 4], "t_fused_ms": 0.83, "t_unfused_ms": 1.0, "candidates": {}}
     choice = tuning._choice(("k",), torch.device("cuda"), lambda: entry, lambda: "first")
     assert choice.fuse is fused and choice.config.startswith(kind), choice
     with config.patch({"tuning.margin_gluon": 0.2, "tuning.margin": 0.15}):
         assert tuning._choice(("k",), torch.device("cuda"), lambda: entry, lambda: "first").fuse is not fused
+
+
+def test_no_import_circle_between_decision_and_kernels():
+    """The launchers (``*_kernels.py``) look configurations up in ops/measure.py, which imports no kernel
+    module; only the compile-time decision (ops/tuning.py) reaches into the kernel modules, to measure."""
+    import ast
+    import pathlib
+
+    ops_dir = pathlib.Path(tuning.__file__).parent
+
+    def imported(path: pathlib.Path) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names.add(node.module or "")
+                names.update(f"{node.module or ''}.{a.name}".lstrip(".") for a in node.names)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        return names
+
+    for path in [ops_dir / "measure.py", *ops_dir.glob("*_kernels.py")]:
+        names = imported(path)
+        assert not any(n == "tuning" or n.endswith(".tuning") for n in names), (path.name, names)
+    assert not any(n.endswith("_kernels") for n in imported(ops_dir / "measure.py"))

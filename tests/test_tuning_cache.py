@@ -1,4 +1,4 @@
-"""ops/tuning.py's cache and probes when something is wrong (issue 16), on CPU.
+"""ops/measure.py's cache and probes, and ops/tuning.py's decision, when something is wrong (issue 16), on CPU.
 
 A malformed cache file or entry counts as absent and warns once per file; an unwritable cache directory warns
 once; a failed copy-bandwidth probe is not remembered, divides nothing by zero and leaves the fuse decision
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fusenorm_inductor import config
-from fusenorm_inductor.ops import tuning
+from fusenorm_inductor.ops import measure, tuning
 from fusenorm_inductor.ops._triton_common import GemmConfig
 
 CUDA = torch.device("cuda")  # only a key and a branch here: nothing runs on it
@@ -23,11 +23,11 @@ C1 = GemmConfig("coop", 128, 128, 64, 2, 8, 2, True)
 
 @pytest.fixture(autouse=True)
 def _fresh(tmp_path, monkeypatch):
-    tuning.clear_memory()
-    monkeypatch.setattr(tuning, "_device_tag", lambda device: f"fake {device}")  # no CUDA needed for keys
+    measure.clear_memory()
+    monkeypatch.setattr(measure, "_device_tag", lambda device: f"fake {device}")  # no CUDA needed for keys
     with config.patch({"tuning.cache_dir": str(tmp_path)}):
         yield
-    tuning.clear_memory()
+    measure.clear_memory()
 
 
 def _key(name="k"):
@@ -39,7 +39,7 @@ def _entry(cfg=C1, t_fused=1.0, t_unfused=2.0):
 
 
 def _cache_path(tmp_path):
-    return tmp_path / f"tuning-v{tuning.CACHE_VERSION}.json"
+    return tmp_path / f"tuning-v{measure.CACHE_VERSION}.json"
 
 
 def _fusenorm_warnings(record) -> list[str]:
@@ -70,25 +70,25 @@ def test_malformed_file_is_absent_and_warns_once(tmp_path, monkeypatch, content,
     path = _cache_path(tmp_path)
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.warns(UserWarning) as record:
-        assert tuning._lookup(_key("a")) is None
-        assert tuning._lookup(_key("b")) is None  # another key reads the file again: no second warning
+        assert measure.lookup(_key("a")) is None
+        assert measure.lookup(_key("b")) is None  # another key reads the file again: no second warning
     msgs = _fusenorm_warnings(record)
     assert len(msgs) == 1 and str(path) in msgs[0] and problem in msgs[0], msgs
     assert "\n" not in msgs[0]
     # The launcher's runtime lookup falls back to the first candidate (capturing: nothing measured)...
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert tuning._tuned_config(_key("c"), CUDA, lambda: [C0, C1], _no_measure) == C0
+        assert measure.tuned_config(_key("c"), CUDA, lambda: [C0, C1], _no_measure) == C0
     # ... and a measurement replaces the bad file with a valid one holding it.
-    monkeypatch.setattr(tuning, "_can_measure", lambda device: True)
-    assert tuning._tuned_config(_key("d"), CUDA, lambda: [C0, C1], lambda: _entry(C1)) == C1
+    monkeypatch.setattr(measure, "can_measure", lambda device: True)
+    assert measure.tuned_config(_key("d"), CUDA, lambda: [C0, C1], lambda: _entry(C1)) == C1
     assert list(json.loads(path.read_text()).values()) == [_entry(C1)]
 
 
 def test_malformed_file_decision_measures_again(tmp_path, monkeypatch):
     """The compile-time decision on a malformed file: measured afresh, no exception."""
     _cache_path(tmp_path).write_text("[]")
-    monkeypatch.setattr(tuning, "_can_measure", lambda device: True)
+    monkeypatch.setattr(measure, "can_measure", lambda device: True)
     with pytest.warns(UserWarning, match="not a JSON object"):
         choice = tuning._choice(_key(), CUDA, lambda: _entry(C1, 1.0, 2.0), lambda: "default")
     assert choice.fuse and choice.config == C1.label() and choice.t_fused_ms == 1.0
@@ -114,34 +114,34 @@ BAD_ENTRIES = {
 @pytest.mark.parametrize("entry, problem", BAD_ENTRIES.values(), ids=BAD_ENTRIES.keys())
 def test_malformed_entry_is_absent(tmp_path, monkeypatch, entry, problem):
     path = _cache_path(tmp_path)
-    good = tuning._disk_key(_key("good"))
-    path.write_text(json.dumps({tuning._disk_key(_key()): entry, good: _entry(C1)}))
+    good = measure._disk_key(_key("good"))
+    path.write_text(json.dumps({measure._disk_key(_key()): entry, good: _entry(C1)}))
     # The launcher's lookup: the first candidate, with one warning naming the file and the problem.
     with pytest.warns(UserWarning) as record:
-        assert tuning._tuned_config(_key(), CUDA, lambda: [C0, C1], _no_measure) == C0
-        assert tuning._lookup(_key()) is None
+        assert measure.tuned_config(_key(), CUDA, lambda: [C0, C1], _no_measure) == C0
+        assert measure.lookup(_key()) is None
     msgs = _fusenorm_warnings(record)
     assert len(msgs) == 1 and str(path) in msgs[0] and problem in msgs[0], msgs
-    assert tuning._lookup(_key("good")) == _entry(C1)  # the file's other entries still count
+    assert measure.lookup(_key("good")) == _entry(C1)  # the file's other entries still count
     # The compile-time decision measures that shape again and stores a valid entry over the bad one.
-    monkeypatch.setattr(tuning, "_can_measure", lambda device: True)
+    monkeypatch.setattr(measure, "can_measure", lambda device: True)
     choice = tuning._choice(_key(), CUDA, lambda: _entry(C1, 1.0, 2.0), lambda: "default")
     assert choice.fuse and choice.t_fused_ms == 1.0 and choice.config == C1.label()
     data = json.loads(path.read_text())
-    assert data[tuning._disk_key(_key())] == _entry(C1, 1.0, 2.0) and data[good] == _entry(C1)
+    assert data[measure._disk_key(_key())] == _entry(C1, 1.0, 2.0) and data[good] == _entry(C1)
 
 
 def test_malformed_warns_once_per_file(tmp_path):
     """Two bad entries in one file warn once; the same problems in another cache directory warn again."""
-    bad = {tuning._disk_key(_key(k)): {"config": "x"} for k in "ab"}
+    bad = {measure._disk_key(_key(k)): {"config": "x"} for k in "ab"}
     for d in ("one", "two"):
         (tmp_path / d).mkdir()
         _cache_path(tmp_path / d).write_text(json.dumps(bad))
     with pytest.warns(UserWarning) as record:
         for d in ("one", "two"):
             with config.patch({"tuning.cache_dir": str(tmp_path / d)}):
-                assert tuning._lookup(_key("a")) is None and tuning._lookup(_key("b")) is None
-            tuning._misses.clear()
+                assert measure.lookup(_key("a")) is None and measure.lookup(_key("b")) is None
+            measure._misses.clear()
     msgs = _fusenorm_warnings(record)
     assert len(msgs) == 2 and str(tmp_path / "one") in msgs[0] and str(tmp_path / "two") in msgs[1], msgs
 
@@ -150,9 +150,9 @@ def test_valid_cache_does_not_warn(tmp_path):
     """Round trip with inf times (every candidate failed) and a config with all its fields: no warning."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        tuning._store(_key(), _entry(C1, float("inf"), 2.0))
-        tuning.clear_memory()
-        assert tuning._tuned_config(_key(), CUDA, lambda: [C0, C1], _no_measure) == C1
+        measure.store(_key(), _entry(C1, float("inf"), 2.0))
+        measure.clear_memory()
+        assert measure.tuned_config(_key(), CUDA, lambda: [C0, C1], _no_measure) == C1
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -165,12 +165,12 @@ def test_unwritable_cache_dir_warns_once(tmp_path):
     blocker.write_text("")  # a file where the directory should be (chmod does not stop root)
     with config.patch({"tuning.cache_dir": str(blocker)}):
         with pytest.warns(UserWarning) as record:
-            tuning._store(_key("a"), _entry(C0))
-            tuning._store(_key("b"), _entry(C1))
+            measure.store(_key("a"), _entry(C0))
+            measure.store(_key("b"), _entry(C1))
         msgs = _fusenorm_warnings(record)
         assert len(msgs) == 1 and str(blocker) in msgs[0] and "cannot write" in msgs[0], msgs
         # The measurements are still used in this process.
-        assert tuning._tuned_config(_key("b"), CUDA, lambda: [C0, C1], _no_measure) == C1
+        assert measure.tuned_config(_key("b"), CUDA, lambda: [C0, C1], _no_measure) == C1
 
 
 @pytest.mark.parametrize("fail", ["replace", "dump"])
@@ -179,15 +179,15 @@ def test_failing_write_warns_and_cleans_up(tmp_path, monkeypatch, fail):
         raise OSError(28, "No space left on device")
 
     if fail == "replace":
-        monkeypatch.setattr(tuning.os, "replace", boom)
+        monkeypatch.setattr(measure.os, "replace", boom)
     else:
-        monkeypatch.setattr(tuning.json, "dump", boom)
+        monkeypatch.setattr(measure.json, "dump", boom)
     with pytest.warns(UserWarning) as record:
-        tuning._store(_key(), _entry(C0))
+        measure.store(_key(), _entry(C0))
     msgs = _fusenorm_warnings(record)
     assert len(msgs) == 1 and str(tmp_path) in msgs[0] and "No space left" in msgs[0], msgs
     assert list(tmp_path.iterdir()) == []  # no temporary file left behind, no cache file
-    assert tuning._lookup(_key()) == _entry(C0)
+    assert measure.lookup(_key()) == _entry(C0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -220,25 +220,25 @@ def _fake_time(fn):
 @pytest.fixture
 def broken_probe(monkeypatch):
     _FakeCopyKernel.broken = True
-    monkeypatch.setattr(tuning, "_copy_kernel", _FakeCopyKernel)
-    monkeypatch.setattr(tuning, "_time_ms", _fake_time)
-    monkeypatch.setattr(tuning, "_can_measure", lambda device: True)
+    monkeypatch.setattr(measure, "_copy_kernel", _FakeCopyKernel)
+    monkeypatch.setattr(measure, "time_ms", _fake_time)
+    monkeypatch.setattr(measure, "can_measure", lambda device: True)
     return _FakeCopyKernel
 
 
 def test_failed_probe_is_not_memoized(broken_probe):
     dev = torch.device("cpu")
     with pytest.warns(UserWarning) as record:
-        assert tuning.copy_bandwidth_gbps(dev) == 0.0
-        assert tuning.copy_bandwidth_gbps(dev) == 0.0
-        assert tuning._norm_proxy_ms(4096, 256, torch.bfloat16, 2, dev) is None  # no ZeroDivisionError
+        assert measure.copy_bandwidth_gbps(dev) == 0.0
+        assert measure.copy_bandwidth_gbps(dev) == 0.0
+        assert measure.norm_proxy_ms(4096, 256, torch.bfloat16, 2, dev) is None  # no ZeroDivisionError
     msgs = _fusenorm_warnings(record)
     assert len(msgs) == 1 and "copy-bandwidth probe on cpu failed" in msgs[0] and "\n" not in msgs[0], msgs
     assert "the timed copy kernel failed" in msgs[0]
-    assert ("copy_gbps", dev) not in tuning._memo
+    assert ("copy_gbps", dev) not in measure._memo
     broken_probe.broken = False  # the next call probes again and succeeds: 2 x 1 GiB in 1 ms
-    assert tuning.copy_bandwidth_gbps(dev) == pytest.approx(2 * (1 << 30) / 1e6)
-    assert tuning._memo[("copy_gbps", dev)]
+    assert measure.copy_bandwidth_gbps(dev) == pytest.approx(2 * (1 << 30) / 1e6)
+    assert measure._memo[("copy_gbps", dev)]
 
 
 def test_probe_that_raises(monkeypatch):
@@ -249,8 +249,8 @@ def test_probe_that_raises(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", oom)
     with pytest.warns(UserWarning, match="probe on cpu failed .*OutOfMemoryError"):
-        assert tuning.copy_bandwidth_gbps(torch.device("cpu")) == 0.0
-    assert ("copy_gbps", torch.device("cpu")) not in tuning._memo
+        assert measure.copy_bandwidth_gbps(torch.device("cpu")) == 0.0
+    assert ("copy_gbps", torch.device("cpu")) not in measure._memo
 
 
 def _prenorm_args():
@@ -268,28 +268,28 @@ def test_failed_probe_leaves_decision_unmeasured(tmp_path, broken_probe):
     assert "copy-bandwidth probe failed" in choice.reason
     assert not _cache_path(tmp_path).exists()
     # The launcher uses the measured config without measuring again.
-    key = tuning._prenorm_key(*args[:5], args[6], args[7])
-    assert tuning._lookup(key)["t_unfused_ms"] is None
+    key = measure.prenorm_key(*args[:5], args[6], args[7])
+    assert measure.lookup(key)["t_unfused_ms"] is None
     assert tuning.prenorm_norm_ms(args[0]) == 0.0
     broken_probe.broken = False
     again = tuning.prenorm_choice(*args)
     assert again.t_fused_ms == 1.0 and again.t_unfused_ms > 1.0 and "(measured 1 ms fused" in again.reason, again
-    assert tuning._disk_key(key) in json.loads(_cache_path(tmp_path).read_text())
+    assert measure._disk_key(key) in json.loads(_cache_path(tmp_path).read_text())
 
 
 def test_failed_probe_with_cached_entry(broken_probe):
     """A cached pre-norm measurement does not need the probe, but the pattern weighs fan-out with
     prenorm_norm_ms: with the probe failing the match counts as not measured and nothing divides by zero."""
     args = _prenorm_args()
-    key = tuning._prenorm_key(*args[:5], args[6], args[7])
-    tuning._store(key, _entry(C0, 1.0, 3.0))
+    key = measure.prenorm_key(*args[:5], args[6], args[7])
+    measure.store(key, _entry(C0, 1.0, 3.0))
     with pytest.warns(UserWarning, match="copy-bandwidth probe"):
         choice = tuning.prenorm_choice(*args)
         assert tuning.prenorm_norm_ms(args[0]) == 0.0
     assert choice.fuse and choice.t_fused_ms is None and "copy-bandwidth probe failed" in choice.reason
     # The forward and backward decisions read only their cached entry.
     fkey = _key("fwd")
-    tuning._store(fkey, _entry(C1, 1.0, 3.0))
+    measure.store(fkey, _entry(C1, 1.0, 3.0))
     assert tuning._choice(fkey, CUDA, _no_measure, lambda: "default").t_fused_ms == 1.0
 
 
@@ -315,8 +315,8 @@ def deterministic(monkeypatch):
     before = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
-    monkeypatch.setattr(tuning, "_can_measure", lambda device: True)
-    monkeypatch.setattr(tuning, "_time_ms", lambda fn: pytest.fail("timed in deterministic mode"))
+    monkeypatch.setattr(measure, "can_measure", lambda device: True)
+    monkeypatch.setattr(measure, "time_ms", lambda fn: pytest.fail("timed in deterministic mode"))
     yield
     torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
@@ -324,13 +324,13 @@ def deterministic(monkeypatch):
 def test_deterministic_config_is_first_candidate(deterministic):
     """Neither measured nor read from the cache: a cached choice would make the kernel depend on the machine's
     history."""
-    tuning._store(_key(), _entry(C1))
-    assert tuning._tuned_config(_key(), CUDA, lambda: [C0, C1], _no_measure) == C0
-    assert tuning._tuned_config(_key("new"), CUDA, lambda: [C0, C1], _no_measure) == C0
+    measure.store(_key(), _entry(C1))
+    assert measure.tuned_config(_key(), CUDA, lambda: [C0, C1], _no_measure) == C0
+    assert measure.tuned_config(_key("new"), CUDA, lambda: [C0, C1], _no_measure) == C0
 
 
 def test_deterministic_choice_is_not_measured(deterministic):
-    tuning._store(_key(), _entry(C1, 5.0, 1.0))  # cached: fusion loses; not used either
+    measure.store(_key(), _entry(C1, 5.0, 1.0))  # cached: fusion loses; not used either
     for key in (_key(), _key("new")):
         choice = tuning._choice(key, CUDA, _no_measure, lambda: "the kernels' first candidate")
         assert choice.fuse and choice.t_fused_ms is None and choice.config == "the kernels' first candidate"

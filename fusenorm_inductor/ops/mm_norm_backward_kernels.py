@@ -9,7 +9,7 @@ dw and db are deterministic: each M tile writes its column sums to a [cdiv(M, BL
 (no atomics), summed on the host afterwards. They need no row statistics, so they always come from the
 GEMM kernel.
 
-Kernels as in the forward (mm_norm_kernels.py), chosen per shape by ``tuning.backward_config`` among
+Kernels as in the forward (mm_norm_kernels.py), chosen per shape by ``backward_config`` (ops/measure.py) among
 ``backward_candidates``. On Hopper with TMA-compatible operands: "row" (N <= 256,
 ``_mm_norm_bwd_tma_kernel``) and "spin"/"coop" (N > 256, ``_mm_norm_bwd_coop_kernel``: tiles publish their
 row partial sums of t and t * hh; "spin" tiles wait for the row block's others and finish dx from
@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import measure
 from ._triton_common import (
     FINALIZE_WARPS,
     TMA_MAX_BLOCK_N,
@@ -462,7 +463,7 @@ def mm_norm_backward_triton(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dw, db) of ``mm_norm_backward_reference``; inputs already checked by the op.
 
-    ``config``: one of ``backward_candidates``; None asks ``tuning.backward_config``. ``gemm_only`` (TMA
+    ``config``: one of ``backward_candidates``; None asks ``backward_config``. ``gemm_only`` (TMA
     configs only): dx = dy @ b + extra, no norm (the benchmark's GEMM base)."""
     m, k = dy.shape
     n = b.shape[1]
@@ -477,8 +478,6 @@ def mm_norm_backward_triton(
         return dx, dw, db
 
     if config is None:
-        from .tuning import backward_config
-
         config = backward_config(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype)
     if config.kind == "spin" and triton.cdiv(n, config.block_n) > num_sms(dev):
         tiles = triton.cdiv(n, config.block_n)
@@ -568,3 +567,36 @@ def _column_sums(dx, pdw, pdb, has_w, has_bias, dev):
     dw = pdw.sum(0) if has_w else _alloc((0,), torch.float32, dev)
     db = pdb.sum(0) if has_bias else _alloc((0,), torch.float32, dev)
     return dx, dw, db
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Which configuration runs: measured per shape (ops/measure.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype) -> dict:
+    """Every candidate timed on random inputs like the (possibly fake) arguments, and the unfused estimate:
+    cuBLAS's data-gradient GEMM plus a norm backward at copy speed (it reads dn and the saved tensor and
+    writes dx; row sums stay on chip)."""
+    with measure.RealInputs():
+        rdy, rb, rextra, rsrc, rw, rmean, rstd_r = measure.real_gemm_operands(dy, b, extra, src, weight, mean, rstd)
+        rstd_r = rstd_r.abs_() + 0.5
+        best, times = measure.time_candidates(
+            backward_candidates(rdy, rb, rb.shape[1], 4 if dx_dtype == torch.float32 else 2),
+            lambda c: mm_norm_backward_triton(
+                rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms, src_is_normed, has_bias, dx_dtype, config=c
+            ),
+        )
+        t_mm = measure.time_ms(lambda: torch.mm(rdy, rb))
+        t_norm = measure.norm_proxy_ms(rdy.shape[0], rb.shape[1], rdy.dtype, 3, dy.device)
+    return measure.make_entry(best, times, measure.plus(t_mm, t_norm))
+
+
+def backward_config(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype):
+    """The GemmConfig the launcher runs for these (real) arguments (``measure.tuned_config``)."""
+    return measure.tuned_config(
+        measure.backward_key(dy, b, extra, src, weight, is_rms, src_is_normed, has_bias, dx_dtype),
+        dy.device,
+        lambda: backward_candidates(dy, b, b.shape[1], 4 if dx_dtype == torch.float32 else 2),
+        lambda: measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype),
+    )

@@ -5,7 +5,7 @@ fp32, bias and residual are added in fp32, statistics are fp32, y is rounded onc
 to the pre-norm dtype.
 
 Which kernel runs is a ``GemmConfig`` (_triton_common.py): ``forward_candidates`` lists the ones worth
-timing for a shape, ``tuning.forward_config`` picks the measured best (cached per shape; the first one
+timing for a shape, ``forward_config`` (ops/measure.py) picks the measured best (cached per shape; the first one
 without CUDA or tuning).
 
 On Hopper, with TMA-compatible operands (``tma_layout``: 16-bit, A row-major, b a transposed row-major
@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import measure
 from ._triton_common import (
     FINALIZE_WARPS,
     TMA_MAX_BLOCK_N,
@@ -557,7 +558,7 @@ def mm_norm_triton(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(y, hh, mean, rstd) of ``mm_norm_reference``; inputs already checked by the op.
 
-    ``config``: one of ``forward_candidates``; None asks ``tuning.forward_config`` (measured and cached on
+    ``config``: one of ``forward_candidates``; None asks ``forward_config`` (measured and cached on
     CUDA). ``gemm_only`` (TMA configs only): y = a @ b + bias + residual, no norm (the benchmark's GEMM
     base).
     """
@@ -575,8 +576,6 @@ def mm_norm_triton(
         return y, hh, mean, rstd
     explicit = config is not None  # a caller timing this config (tuning, tests) hears that it cannot run
     if config is None:
-        from .tuning import forward_config
-
         config = forward_config(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed)
     if config.kind.startswith("gl_"):
         from ..kernels.hopper.mm_norm import SpillError, mm_norm_gluon
@@ -588,8 +587,6 @@ def mm_norm_triton(
         except SpillError:
             if explicit:
                 raise
-            from .tuning import forward_out_bytes
-
             # the tl kernels' first choice
             config = forward_candidates(a, b, n, forward_out_bytes(a, residual, out_dtype, save_normed))[0]
     if config.kind == "spin" and triton.cdiv(n, config.block_n) > num_sms(dev):
@@ -689,3 +686,43 @@ def mm_norm_triton(
         num_warps=FINALIZE_WARPS,
     )
     return y, hh, mean, rstd
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Which configuration runs: measured per shape (ops/measure.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def forward_out_bytes(a, residual, out_dtype, save_normed) -> int:
+    """Bytes per element of the widest [M, N] output (4 when y or hh is fp32): it bounds the pipeline depth."""
+    h_dtype = torch.promote_types(a.dtype, residual.dtype) if residual is not None else a.dtype
+    wide = (out_dtype or a.dtype) == torch.float32 or (save_normed and h_dtype == torch.float32)
+    return 4 if wide else 2
+
+
+def measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed) -> dict:
+    """Every candidate timed on random inputs like the (possibly fake) arguments, and the unfused estimate:
+    cuBLAS's GEMM plus Inductor's norm at copy speed (it reads h, and the residual, and writes y)."""
+    with measure.RealInputs():
+        ra, rb, *args = measure.real_gemm_operands(a, b, bias, residual, weight, norm_bias)
+        out_bytes = forward_out_bytes(ra, residual, out_dtype, save_normed)
+        gluon_args = (args[0], args[1], args[2], args[3], out_dtype, save_normed)
+        best, times = measure.time_candidates(
+            forward_candidates(ra, rb, rb.shape[1], out_bytes, gluon_args),
+            lambda c: mm_norm_triton(ra, rb, *args, eps, is_rms, out_dtype, save_normed, config=c),
+        )
+        bias_r, res_r = args[0], args[1]
+        t_mm = measure.gemm_ms(ra, rb, bias_r)
+        t_norm = measure.norm_proxy_ms(ra.shape[0], rb.shape[1], ra.dtype, 3 if res_r is not None else 2, a.device)
+    return measure.make_entry(best, times, measure.plus(t_mm, t_norm))
+
+
+def forward_config(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed):
+    """The GemmConfig the launcher runs for these (real) arguments (``measure.tuned_config``)."""
+    return measure.tuned_config(
+        measure.forward_key(a, b, bias, residual, weight, norm_bias, is_rms, out_dtype, save_normed),
+        a.device,
+        lambda: forward_candidates(a, b, b.shape[1], forward_out_bytes(a, residual, out_dtype, save_normed),
+                                   (bias, residual, weight, norm_bias, out_dtype, save_normed)),
+        lambda: measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed),
+    )

@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import measure
 from ._triton_common import (
     TMA_MAX_BLOCK_N,
     GemmConfig,
@@ -459,7 +460,7 @@ def norm_mm_triton(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(c, mean, rstd) of ``norm_mm_reference``; inputs already checked by the op.
 
-    ``config``: one of ``prenorm_candidates``; None asks ``tuning.prenorm_config`` (measured and cached on
+    ``config``: one of ``prenorm_candidates``; None asks ``prenorm_config`` (measured and cached on
     CUDA, else the first candidate).
     """
     m, k = a.shape
@@ -476,8 +477,6 @@ def norm_mm_triton(
         return c, mean, rstd
     b_fold, bias_fold, colsum = fold_norm_affine(b, bias, weight, norm_bias, a.dtype, is_rms)
     if config is None:
-        from .tuning import prenorm_config
-
         config = prenorm_config(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype)
     bias_stride = bias_fold.stride(0) if bias_fold is not None else 0
     flags = dict(HAS_BIAS=bias_fold is not None, IS_RMS=is_rms)
@@ -534,3 +533,37 @@ def normed_triton(a: Tensor, mean: Optional[Tensor], rstd: Tensor, weight: Optio
         num_warps=4,
     )
     return y
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Which configuration runs: measured per shape (ops/measure.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def unfused_norm_ms(a: Tensor) -> Optional[float]:
+    """The unfused pre-norm's time: Inductor's norm reads x and writes y, [M, K] each, at copy speed (None
+    when the bandwidth probe failed)."""
+    return measure.norm_proxy_ms(a.shape[0], a.shape[1], a.dtype, 2, a.device)
+
+
+def measure_prenorm(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype) -> dict:
+    """Every candidate timed on random inputs like the (possibly fake) arguments, and the unfused estimate:
+    the norm at copy speed plus cuBLAS's GEMM."""
+    with measure.RealInputs():
+        ra, rb, rbias, rw, rnb = measure.real_gemm_operands(a, b, bias, weight, norm_bias)
+        best, times = measure.time_candidates(
+            prenorm_candidates(ra, rb, out_dtype or ra.dtype),
+            lambda c: norm_mm_triton(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype, config=c),
+        )
+        t_mm = measure.gemm_ms(ra, rb, rbias)
+    return measure.make_entry(best, times, measure.plus(t_mm, unfused_norm_ms(a)))
+
+
+def prenorm_config(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype):
+    """The GemmConfig the launcher runs for these (real) arguments (``measure.tuned_config``)."""
+    return measure.tuned_config(
+        measure.prenorm_key(a, b, bias, weight, norm_bias, is_rms, out_dtype),
+        a.device,
+        lambda: prenorm_candidates(a, b, out_dtype or a.dtype),
+        lambda: measure_prenorm(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype),
+    )

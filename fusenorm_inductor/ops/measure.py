@@ -1,0 +1,416 @@
+"""Per-shape measurements on the GPU and their cache, shared by the kernels' launchers and the fuse decision.
+
+The launchers (``forward_config`` in mm_norm_kernels.py, ``backward_config``, ``prenorm_config``) ask
+``tuned_config`` which of their candidate configurations runs: the cached measurement for the call's shape,
+else measure now (each candidate timed with CUDA graphs on random inputs of the call's shape, the fastest
+kept) and cache. Without CUDA, with tuning off, or while a CUDA graph is being captured, the first candidate
+(the kernels' best guess) runs and nothing is cached. The compile-time decision whether to fuse at all
+(tuning.py) reads and writes the same entries. This module imports no kernel module: the launchers pass their
+candidates and their measuring function in.
+
+Deterministic mode (``torch.use_deterministic_algorithms(True)``): nothing is timed and the cache is not
+read, since timings (and so the choices made from them) differ from run to run. Every launch runs the
+kernels' first candidate.
+
+The cache is a JSON file (``config.tuning.cache_dir``, default ``~/.cache/fusenorm``) keyed by the GPU,
+torch and triton versions, a hash of the kernel sources, the shape, dtypes and flags. Entries are merged on
+write, so concurrent processes only ever lose each other's newest entries, never corrupt the file.
+Nothing about the cache fails a compile or a launch: a file that cannot be parsed or is not a JSON object,
+and an entry of the wrong shape, count as absent (that shape is measured again, or runs the first candidate
+where it cannot be), and a cache directory that cannot be written keeps measurements in the process only;
+either warns once per file or directory, naming it.
+
+The unfused norm's time needs the copy bandwidth, probed once per device and process
+(``copy_bandwidth_gbps``). When the probe fails (it warns once; a failure is not remembered, so a later
+call probes again), the launchers still run the fastest measured configuration; an entry without the
+unfused time is kept in the process only, never written to the cache.
+
+Keys read only shapes, dtypes, strides, devices and which optionals are present, so fake tensors from a
+traced graph work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import math
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .. import config
+
+CACHE_VERSION = 1
+_memo: dict[tuple, dict] = {}  # in-process cache: key -> entry (as stored on disk)
+_misses: set[tuple] = set()  # keys the disk cache did not have (read the file once per key, not per call)
+_warned: set[tuple] = set()  # what was warned about already (a cache file, a cache directory, a probed device)
+
+
+def clear_memory() -> None:
+    """Forget in-process results and which problems were warned about (the disk cache stays); tests use it."""
+    _memo.clear()
+    _misses.clear()
+    _warned.clear()
+
+
+def warn_once(what: tuple, msg: str) -> None:
+    """``warnings.warn`` (as the passes do), once per ``what`` and process."""
+    if what not in _warned:
+        _warned.add(what)
+        warnings.warn(f"fusenorm: {msg}", stacklevel=3)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Keys and the disk cache
+# ----------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _sources_hash() -> str:
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    kernels = ("_triton_common.py", "mm_norm_kernels.py", "mm_norm_backward_kernels.py", "norm_mm_kernels.py")
+    for name in (*kernels, "measure.py", "tuning.py"):
+        h.update((here / name).read_bytes())
+    for path in sorted((here.parent / "kernels").rglob("*.py")):  # the Gluon kernels
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def _device_tag(device: torch.device) -> str:
+    import triton
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"{name}|torch {torch.__version__}|triton {triton.__version__}"
+
+
+def _cache_file() -> Path:
+    root = config.tuning.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "fusenorm")
+    return Path(root) / f"tuning-v{CACHE_VERSION}.json"
+
+
+def first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def _warn_file(path: Path, problem: str) -> None:
+    warn_once(("read", str(path)), f"tuning cache {path}: {problem}; ignored (those shapes are measured again)")
+
+
+def _read_disk() -> dict:
+    """The cache file's entries; {} when there is none, or (warned once per file) when it cannot be read, is
+    not JSON or is not a JSON object. Entries are not checked here (``lookup`` does, on use)."""
+    path = _cache_file()
+    try:
+        text = path.read_text()
+    except (FileNotFoundError, NotADirectoryError):  # nothing measured yet (a cache_dir that is a file: on write)
+        return {}
+    except (OSError, ValueError) as e:  # unreadable, or not UTF-8
+        _warn_file(path, f"cannot be read ({first_line(e)})")
+        return {}
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        _warn_file(path, f"not valid JSON ({first_line(e)})")
+        return {}
+    if not isinstance(data, dict):
+        _warn_file(path, f"not a JSON object but {type(data).__name__}")
+        return {}
+    return data
+
+
+def _write_disk(key: str, entry: dict) -> None:
+    path = _cache_file()
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _read_disk()  # a malformed file (warned) is replaced by one holding this entry
+        data[key] = entry
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=0, sort_keys=True)
+        os.replace(tmp, path)  # atomic: readers see the old or the new file, never half of one
+        tmp = None
+    except (OSError, TypeError, ValueError) as e:
+        # An unwritable cache only costs re-measuring in the next process.
+        warn_once(("write", str(path.parent)),
+                   f"cannot write the tuning cache in {path.parent} ({first_line(e)}); measurements are kept in "
+                   f"this process only")
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def entry_problem(entry) -> Optional[str]:
+    """What is wrong with a cache entry read from disk, None if nothing (``_choice`` and ``tuned_config``
+    read its config and its two times)."""
+    if not isinstance(entry, dict):
+        return f"an entry is {type(entry).__name__}, not an object"
+    for name in ("t_fused_ms", "t_unfused_ms"):
+        t = entry.get(name)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:  # inf is fine, NaN is not
+            return f"an entry's {name!r} is {t!r}, not a time in ms"
+    try:
+        config_of(entry)
+    except ValueError as e:
+        return f"an entry's 'config' {e}"
+    return None
+
+
+def lookup(key: tuple) -> Optional[dict]:
+    """The entry for key: this process's, else the disk cache's (a malformed one counts as absent), else None."""
+    if key in _memo:
+        return _memo[key]
+    if key in _misses:
+        return None
+    data, disk_key = _read_disk(), _disk_key(key)
+    entry = data.get(disk_key)
+    if disk_key in data:
+        problem = entry_problem(entry)
+        if problem is not None:
+            _warn_file(_cache_file(), problem)
+            entry = None
+    if entry is None:
+        _misses.add(key)
+    else:
+        _memo[key] = entry
+    return entry
+
+
+def store(key: tuple, entry: dict) -> None:
+    _memo[key] = entry
+    _misses.discard(key)
+    if entry.get("t_unfused_ms") is not None:  # without it (a failed bandwidth probe) it stays in this process
+        _write_disk(_disk_key(key), entry)
+
+
+def _disk_key(key: tuple) -> str:
+    return json.dumps([_device_tag(key[1]), _sources_hash(), key[0], *key[2:]], default=str)
+
+
+def spec(t: Optional[Tensor]):
+    """What of an argument decides the kernel and its speed (None stays None)."""
+    if t is None:
+        return None
+    return (tuple(t.shape), tuple(t.stride()), str(t.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------------------
+
+
+def can_measure(device: torch.device) -> bool:
+    return device.type == "cuda" and config.tuning.measure and not torch.cuda.is_current_stream_capturing()
+
+
+def time_ms(fn: Callable[[], object]) -> float:
+    """Median GPU time of fn in a CUDA graph (leaves out the CPU launch cost, which a training step
+    overlaps with earlier kernels); inf when fn fails (e.g. a config that does not fit shared memory)."""
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return float(do_bench_cudagraph(fn, rep=config.tuning.rep_ms, return_mode="median"))
+    except Exception:  # noqa: BLE001 - a failing candidate is simply not chosen
+        torch.cuda.synchronize()
+        return float("inf")
+
+
+class RealInputs:
+    """Random tensors like the given (possibly fake) ones, made outside any fake/functional mode."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        self._modes = _disable_current_modes()
+        self._modes.__enter__()
+        self._grad = torch.no_grad()
+        self._grad.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._grad.__exit__(*exc)
+        self._modes.__exit__(*exc)
+
+    @staticmethod
+    def like(t: Optional[Tensor], device: torch.device, scale: float = 1.0) -> Optional[Tensor]:
+        if t is None:
+            return None
+        if t.numel() == 0:
+            return torch.empty(tuple(t.shape), dtype=t.dtype, device=device)
+        # Same strides as the original (a transposed weight stays transposed). A private generator: tuning
+        # at compile time must not move the user's random streams.
+        gen = torch.Generator(device=device).manual_seed(0)
+        base = torch.randn(t.shape, dtype=torch.float32, device=device, generator=gen) * scale
+        out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+        return out.copy_(base)
+
+
+def real_gemm_operands(a: Tensor, b: Tensor, *others: Optional[Tensor]) -> list:
+    """Inside ``RealInputs``: random real a and b like the given ones (b scaled by 1/sqrt(K), so that the
+    product has unit scale), then each of ``others`` (None stays None), all on a's device."""
+    dev = a.device
+    return [RealInputs.like(a, dev), RealInputs.like(b, dev, scale=a.shape[1] ** -0.5),
+            *(RealInputs.like(t, dev) for t in others)]
+
+
+def time_candidates(candidates, run: Callable[[object], object]) -> tuple:
+    """(fastest, {candidate: ms}): each candidate configuration timed as ``run(candidate)``."""
+    times = {c: time_ms(lambda c=c: run(c)) for c in candidates}
+    return min(times, key=times.get), times
+
+
+def gemm_ms(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> float:
+    """cuBLAS's time for the unfused graph's linear: addmm with a bias, else mm."""
+    return time_ms((lambda: torch.addmm(bias, a, b)) if bias is not None else (lambda: torch.mm(a, b)))
+
+
+def norm_proxy_ms(m: int, n: int, dtype: torch.dtype, passes: int, device: torch.device) -> Optional[float]:
+    """The unfused norm's time, taken as ``passes`` streams of [m, n] elements at the copy bandwidth:
+    Inductor's norm kernels reach it on these shapes (docs/baselines-h200.md). (torch's own ``copy_`` does not:
+    ~2.7 of ~4.2 TB/s on the H200, which would make the unfused path look slower than it is.) None when the
+    bandwidth probe failed."""
+    gbps = copy_bandwidth_gbps(device)
+    if not gbps > 0:
+        return None
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return passes * m * n * itemsize / (gbps * 1e6)
+
+
+def plus(t_mm: float, t_norm: Optional[float]) -> Optional[float]:
+    """The unfused path's time; None (not measured) without the norm's."""
+    return None if t_norm is None else t_mm + t_norm
+
+
+@functools.cache
+def _copy_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(src, dst, numel, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+    return copy
+
+
+def copy_bandwidth_gbps(device: torch.device) -> float:
+    """Streaming bandwidth (read + write) of a wide Triton copy of 1 GiB, GB/s; measured once per device
+    and process (also the benchmark's bandwidth ceiling). 0.0 when the probe fails (the copy does not run,
+    or 1 GiB is not free): that warns once per device and is not remembered, so the next call probes again."""
+    key = ("copy_gbps", device)
+    if key in _memo:
+        return _memo[key]["gbps"]
+    numel = 1 << 29
+    ms, err = math.inf, "the timed copy kernel failed"
+    try:
+        import triton
+
+        with RealInputs():
+            src = torch.empty(numel, dtype=torch.bfloat16, device=device)
+            dst = torch.empty_like(src)
+            block = 8192
+            kernel = _copy_kernel()
+            ms = time_ms(lambda: kernel[(triton.cdiv(numel, block),)](src, dst, numel, BLOCK=block, num_warps=8))
+            del src, dst
+    except Exception as e:  # noqa: BLE001 - a failed probe only leaves the fuse decisions unmeasured
+        err = first_line(e)
+    if not 0 < ms < math.inf:  # inf (failed), NaN, or a timer that returned nothing sensible
+        warn_once(("probe", str(device)),
+                   f"the copy-bandwidth probe on {device} failed ({err}); fuse decisions that need the unfused "
+                   f"norm's time are not measured (fused) until a probe succeeds")
+        return 0.0
+    gbps = 2 * numel * 2 / (ms * 1e6)
+    _memo[key] = {"gbps": gbps}
+    return gbps
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Entries and the launchers' lookup
+# ----------------------------------------------------------------------------------------------------------
+
+
+def make_entry(best, times: dict, t_unfused: Optional[float]) -> dict:
+    """A cache entry: the fastest candidate, every candidate's time, and the unfused estimate."""
+    return {
+        "config": list(best),
+        "t_fused_ms": times[best],
+        "t_unfused_ms": t_unfused,
+        "candidates": {c.label(): t for c, t in times.items()},
+    }
+
+
+def config_of(entry: dict):
+    """The entry's GemmConfig; ValueError (saying what is wrong) when its "config" does not make one."""
+    from ._triton_common import GemmConfig
+
+    cfg = entry.get("config")
+    if not isinstance(cfg, (list, tuple)):
+        raise ValueError(f"is {cfg!r}, not a list")
+    fields = GemmConfig._fields
+    required = len(fields) - len(GemmConfig._field_defaults)
+    if not required <= len(cfg) <= len(fields):
+        raise ValueError(f"{cfg!r} has {len(cfg)} fields, not {required} to {len(fields)}")
+    for name, v in zip(fields, cfg):
+        if name == "kind":
+            ok = isinstance(v, str) and bool(v)
+        elif name == "prefetch":
+            ok = isinstance(v, bool)
+        else:
+            ok = isinstance(v, int) and not isinstance(v, bool) and v > 0
+        if not ok:
+            raise ValueError(f"{cfg!r} has {name} = {v!r}")
+    return GemmConfig(*cfg)
+
+
+def tuned_config(key: tuple, device: torch.device, candidates: Callable[[], list], measure: Callable[[], dict]):
+    """The cached measurement when there is one (also while a CUDA graph is captured: the launcher's hot
+    path is one dict lookup), else measure now and cache, else (no CUDA, tuning off, capturing, or a single
+    candidate) the first candidate. In deterministic mode always the first candidate (module docstring)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return candidates()[0]
+    if device.type == "cuda":
+        entry = lookup(key)
+        if entry is not None:
+            return config_of(entry)
+    cands = candidates()
+    if len(cands) == 1 or not can_measure(device):
+        return cands[0]
+    entry = measure()
+    store(key, entry)
+    return config_of(entry)
+
+
+def forward_key(a, b, bias, residual, weight, norm_bias, is_rms, out_dtype, save_normed) -> tuple:
+    return (
+        "mm_norm", a.device, spec(a), spec(b), spec(bias), spec(residual), spec(weight), spec(norm_bias),
+        bool(is_rms), str(out_dtype or a.dtype), bool(save_normed),
+    )
+
+
+def backward_key(dy, b, extra, src, weight, is_rms, src_is_normed, has_bias, dx_dtype) -> tuple:
+    return (
+        "mm_norm_backward", dy.device, spec(dy), spec(b), spec(extra), spec(src), spec(weight),
+        bool(is_rms), bool(src_is_normed), bool(has_bias), str(dx_dtype),
+    )
+
+
+def prenorm_key(a, b, bias, weight, norm_bias, is_rms, out_dtype) -> tuple:
+    return (
+        "norm_mm", a.device, spec(a), spec(b), spec(bias), spec(weight), spec(norm_bias),
+        bool(is_rms), str(out_dtype or a.dtype),
+    )
