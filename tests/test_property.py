@@ -3,14 +3,16 @@ gradient (parameters and input).
 
 Each model is a random stack of layers: linears (with or without bias), norms in every form fusenorm
 canonicalizes (nn.LayerNorm with and without bias, F.layer_norm, torch.layer_norm, nn.RMSNorm, F.rms_norm,
-torch.rms_norm, and hand-written RMSNorms in the variants the LLaMA pattern accepts), affine or not, activations,
+torch.rms_norm, hand-written RMSNorms in the variants the LLaMA pattern accepts, and HF's T5 and Gemma
+RMSNorms and the hand-written GPT-2/BERT LayerNorm), affine or not, activations,
 residual adds on either side, reshapes between 2-D and 3-D (and a transpose), and fan-out (one tensor feeding
 two linears, a norm's input also feeding a residual add). Post-norm, pre-norm and the regrouped backward each
 find candidates in it, as do their near-misses.
 
 Errors are measured against the model in float64 (same parameters and input): the compiled model may be off by
 at most twice eager's own fp32 error plus the fp32 floor of tests/models.py. The example budget is fixed and
-derandomized (the same models on every run), sized for CI on a 2-core CPU; the test also checks that the
+derandomized (the same models on every run): 200 models, ~9 minutes of CI on a 2-core CPU (``PROPERTY_EXAMPLES``
+sets another number for a local run); the test also checks that the
 examples did get fused (every fusion pattern and every canonical norm pattern fired somewhere), so that it tests
 fusenorm and not only Inductor.
 """
@@ -18,6 +20,7 @@ fusenorm and not only Inductor.
 from __future__ import annotations
 
 import copy
+import os
 from collections import Counter
 
 import torch
@@ -28,12 +31,14 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 from .models import TOL, _err
+from .test_norm_forms import GemmaNorm, ManualLN, T5Norm
 
-MAX_EXAMPLES = 16  # ~3-5 s each on a 2-core CPU (a forward and a backward graph compiled by Inductor)
+MAX_EXAMPLES = int(os.environ.get("PROPERTY_EXAMPLES", "200"))  # ~2.5 s each on a 2-core CPU (two graphs compiled)
 WIDTHS = (13, 24, 40)
 LEADS = {257: ((257,), (1, 257)), 105: ((105,), (5, 21))}  # rows: their 2-D and 3-D leading dims
 NORM_FORMS = ("nn.LayerNorm", "hand", "nn.RMSNorm", "F.layer_norm", "F.rms_norm", "nn.LayerNorm-nobias",
-              "torch.layer_norm", "torch.rms_norm", "hand")  # "hand": many variants, so drawn twice as often
+              "torch.layer_norm", "torch.rms_norm", "hand",  # "hand": many variants, so drawn twice as often
+              "t5", "gemma", "manual-ln", "manual-ln-var")  # the HF forms of test_norm_forms.py (always affine)
 ACTIVATIONS = ("relu", "gelu", "silu", "tanh")
 
 
@@ -81,6 +86,12 @@ class Norm(nn.Module):
             self.impl = nn.RMSNorm(n, eps=eps, elementwise_affine=affine)
         elif form == "hand":
             self.impl = HandRMSNorm(n, eps if eps is not None else 1e-6, affine, *hand)
+        elif form == "t5":
+            self.impl = T5Norm(n, eps)
+        elif form == "gemma":
+            self.impl = GemmaNorm(n, eps)
+        elif form.startswith("manual-ln"):
+            self.impl = ManualLN(n, eps, var="mean" if form == "manual-ln" else "biased")
         elif affine:
             self.weight, self.bias = _affine(n, "layer" in form)
         with torch.no_grad():
@@ -280,7 +291,10 @@ def test_random_models_match_eager():
 
     check()
     # The examples exercised fusenorm: every fusion and every canonical form fired, in most models.
-    for pattern in ("linear_norm_fwd", "norm_linear_fwd", "dgrad_norm_bwd", "canonical_layer_norm",
-                    "canonical_rms_norm", "canonical_llama_rms_norm"):
+    patterns = ["linear_norm_fwd", "norm_linear_fwd", "dgrad_norm_bwd", "canonical_layer_norm", "canonical_rms_norm",
+                "canonical_llama_rms_norm"]
+    if MAX_EXAMPLES >= 100:  # drawn less often
+        patterns += ["canonical_t5_rms_norm", "canonical_gemma_rms_norm", "canonical_manual_layer_norm"]
+    for pattern in patterns:
         assert fired[pattern] > 0, f"no generated model had {pattern} applied: {dict(fired)}"
     assert len(fused_examples) >= MAX_EXAMPLES // 2, f"only {len(fused_examples)} of {MAX_EXAMPLES} models fused"
