@@ -706,14 +706,12 @@ def measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dt
     with measure.RealInputs():
         ra, rb, *args = measure.real_gemm_operands(a, b, bias, residual, weight, norm_bias)
         out_bytes = forward_out_bytes(ra, residual, out_dtype, save_normed)
-        gluon_args = (args[0], args[1], args[2], args[3], out_dtype, save_normed)
         best, times = measure.time_candidates(
-            forward_candidates(ra, rb, rb.shape[1], out_bytes, gluon_args),
+            forward_candidates(ra, rb, rb.shape[1], out_bytes, (*args, out_dtype, save_normed)),
             lambda c: mm_norm_triton(ra, rb, *args, eps, is_rms, out_dtype, save_normed, config=c),
         )
-        bias_r, res_r = args[0], args[1]
-        t_mm = measure.gemm_ms(ra, rb, bias_r)
-        t_norm = measure.norm_proxy_ms(ra.shape[0], rb.shape[1], ra.dtype, 3 if res_r is not None else 2, a.device)
+        t_mm = measure.gemm_ms(ra, rb, args[0])
+        t_norm = measure.norm_proxy_ms(ra.shape[0], rb.shape[1], ra.dtype, 3 if residual is not None else 2, a.device)
     return measure.make_entry(best, times, measure.plus(t_mm, t_norm))
 
 

@@ -49,7 +49,6 @@ class _LaunchConfig(ctypes.Structure):
 
 
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
-_CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 16
 
 
 _ACTIVE_CLUSTERS: dict = {}
@@ -70,9 +69,6 @@ def _query_active_clusters(compiled, cluster: int, device: torch.device) -> int:
     fallback = max(1, num_sms(device) // cluster)
     try:
         lib = ctypes.CDLL("libcuda.so.1")
-        if cluster == 16:
-            lib.cuFuncSetAttribute(ctypes.c_void_p(compiled.function),
-                                   _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
         attr = _LaunchAttribute()
         attr.id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
         attr.value[0], attr.value[1], attr.value[2] = cluster, 1, 1

@@ -395,7 +395,7 @@ def candidates(a: Tensor, b: Tensor, save_normed: bool) -> list:
     """Configurations worth timing for this shape, best guess first (short: each is timed once per shape).
     From the H200 probe (docs/design.md): ping-pong 128-row tiles up to N = 128; at N = 256 the 128x256
     cooperative tile wins at large K and the 64-row ones at small K; wider rows take 128x256 tiles in clusters
-    (128x128 tiles lost at every N measured, 16-CTA clusters ran their GEMM at 1.6x cuBLAS time)."""
+    (128x128 tiles were never the best, 16-CTA clusters ran their GEMM at 1.6x cuBLAS time)."""
     k = a.shape[1]
     n = b.shape[1]
     bk = 64 if k >= 64 else 32
@@ -486,13 +486,21 @@ def kernel_args(a, b, bias, residual, weight, norm_bias, eps, is_rms, y, hh, mea
         bias if bias is not None else any_, weight if weight is not None else any_,
         norm_bias if norm_bias is not None else any_, mean if mean.numel() else rstd, rstd, p1, p2,
         m, n, k, float(eps),
-        bias is not None, residual is not None, weight is not None, norm_bias is not None, bool(is_rms), save,
-        shape.norm,
-        n % bn == 0, shape.num_out, shape.sync, config.stages, shape.cluster, shape.span, shape.ncons, kn,
-        shape.load_warps,
-        LOAD_REGS, MMA_REGS,
     )
-    return args
+    consts = _constexprs(config, shape, n, kn, bias=bias is not None, residual=residual is not None,
+                         has_w=weight is not None, has_nb=norm_bias is not None, is_rms=bool(is_rms))
+    return args + tuple(consts[p] for p in _PARAMS[len(args):-1])
+
+
+def _constexprs(config, shape: Launch, n: int, b_kn: bool, *, bias: bool, residual: bool, has_w: bool,
+                has_nb: bool, is_rms: bool) -> dict:
+    """The kernel's compile-time parameters (all but num_warps), for the launcher and the offline compile."""
+    return dict(
+        HAS_BIAS=bias, HAS_RES=residual, HAS_W=has_w, HAS_NB=has_nb, IS_RMS=is_rms, SAVE_NORMED=shape.save,
+        NORM=shape.norm, EVEN_N=n % config.block_n == 0, NUM_OUT=shape.num_out, SYNC=shape.sync,
+        NUM_STAGES=config.stages, C=shape.cluster, SPAN=shape.span, NCONS=shape.ncons, B_KN=b_kn,
+        LOAD_WARPS=shape.load_warps, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS,
+    )
 
 
 ALLOW_SPILLS = False  # the probe benchmark times spilling specializations too (--allow-spills)
@@ -552,19 +560,15 @@ def compile_offline(config, n: int, k: int, *, is_rms: bool, affine: bool, bias:
 
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     shape = launch_shape(config, n, save_normed, gemm_only)
-    save = shape.save
     values = dict(
         a_desc=descriptor_type([bm, bk]), b_desc=descriptor_type([bk, bn] if b_kn else [bn, bk]),
         y_desc=descriptor_type([bm, bn]), hh_desc=descriptor_type([bm, bn]), res_desc=descriptor_type([bm, bn]),
         bias_ptr="*bf16", w_ptr="*bf16", nb_ptr="*bf16", mean_ptr="*fp32", rstd_ptr="*fp32",
         p1_ptr="*fp32", p2_ptr="*fp32", M="i32", N="i32", K="i32", eps="fp32",
     )
-    constexprs = dict(
-        HAS_BIAS=bias, HAS_RES=residual, HAS_W=affine, HAS_NB=affine and not is_rms, IS_RMS=is_rms, SAVE_NORMED=save,
-        NORM=shape.norm, EVEN_N=n % bn == 0, NUM_OUT=shape.num_out, SYNC=shape.sync, NUM_STAGES=config.stages,
-        C=shape.cluster, SPAN=shape.span, NCONS=shape.ncons, B_KN=b_kn, LOAD_WARPS=shape.load_warps, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS,
-        num_warps=shape.num_warps,
-    )
+    constexprs = _constexprs(config, shape, n, b_kn, bias=bias, residual=residual, has_w=affine,
+                             has_nb=affine and not is_rms, is_rms=is_rms)
+    constexprs["num_warps"] = shape.num_warps
     signature = {p: values.get(p, "constexpr") for p in _PARAMS}
     return compile_sm90(mm_norm_kernel, signature, constexprs, shape.num_warps, shape.maxnreg)
 
