@@ -311,13 +311,15 @@ def render(graph: fx.Graph, nodes: Optional[set[Node]] = None) -> str:
     return sub.python_code("self").src
 
 
-def flat_like(t: torch.Tensor, *shape: int) -> torch.Tensor:
-    """A contiguous tensor of ``shape`` with t's dtype and device that holds no memory: what the rewrite's
-    reshape gives the fused op, for the kernel tuner, which reads shapes, strides, dtype and device (it
-    measures on CUDA only: a meta tensor here would make every dispatch "not measured"). t is a node's
+def flat_like(t: torch.Tensor, *shape: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` with t's dtype (or ``dtype``) and device that holds no memory: what the
+    rewrite's reshape gives the fused op, for the kernel tuner, which reads shapes, strides, dtype and device
+    (it measures on CUDA only: a meta tensor here would make every dispatch "not measured"). t is a node's
     example value, a FakeTensor, whose fake mode makes the new one; anything else gives a meta tensor."""
     from torch._subclasses.fake_tensor import FakeTensor
 
+    dtype = dtype or t.dtype
     if isinstance(t, FakeTensor):
-        return t.new_empty(shape)
-    return torch.empty(shape, dtype=t.dtype, device="meta")
+        with torch.no_grad():
+            return t.new_empty(shape, dtype=dtype)
+    return torch.empty(shape, dtype=dtype, device="meta")

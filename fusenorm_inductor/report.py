@@ -82,6 +82,13 @@ class GraphReport:
             log.debug("fusenorm [%s] %s: %s not rewritten at %s: %s", self.graph_id, stage, pattern, node,
                       " ".join(str(reason).split()))
 
+    def retract(self, record: Rewrite) -> None:
+        """Forget one rewrite that was undone (a canonical norm put back as written: patterns/prospects.py)."""
+        self.rewrites.remove(record)
+        counters["fusenorm"][record.pattern] -= 1
+        if not counters["fusenorm"][record.pattern]:
+            del counters["fusenorm"][record.pattern]
+
     def rollback(self, n_rewrites: int, n_skips: int) -> None:
         """Forget what a stage recorded after the given counts (its graph was restored after an error)."""
         for r in self.rewrites[n_rewrites:]:
@@ -432,7 +439,8 @@ _FWD_SITE_PATTERNS = ("linear_norm_fwd", "norm_linear_fwd")
 def summarize(reports) -> dict:
     """Norm sites of the compiled graphs and what became of each.
 
-    A norm site is a norm that fusenorm canonicalized (``canonical_*``). The attention patterns take two norms
+    A norm site is a norm that fusenorm canonicalized (``canonical_*``), or put back as written because no
+    fusion would take it (``norm_prospects``, which says why). The attention patterns take two norms
     each at the pre-grad stage; every other canonical norm reaches the joint graph, where ``linear_norm_fwd``
     looks at every norm (so each gets a rewrite or a reason) and ``norm_linear_fwd`` at those left. The
     summary lists per site: "fused" (pattern names) or the reasons given; ``unaccounted`` counts canonical
@@ -463,7 +471,12 @@ def summarize(reports) -> dict:
             elif r.pattern == "dgrad_norm_bwd":
                 backward["fused"] += 1
         for s in rep.skips:
-            if s.pattern in _FWD_SITE_PATTERNS:
+            if s.pattern == "norm_prospects":
+                # A canonical norm put back as written: a site left unfused; its reasons come as the forward
+                # patterns' skips of the same node.
+                n_canonical += 1
+                site(rep.graph_id, s.node)
+            elif s.pattern in _FWD_SITE_PATTERNS:
                 site(rep.graph_id, s.node)["reasons"].append(f"{s.pattern}: {s.reason}")
             elif s.pattern == "dgrad_norm_bwd":
                 backward["unfused"][s.reason] += 1

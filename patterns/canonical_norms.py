@@ -12,6 +12,7 @@ preserved exactly: the canonical op computes in fp32 and writes that dtype.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
@@ -52,13 +53,37 @@ def _bind(node: Node, names: tuple[str, ...], defaults: dict[str, Any]) -> dict[
     return out
 
 
-def _insert_norm(graph: fx.Graph, anchor: Node, x, weight, bias, eps: float, is_rms: bool) -> Node:
-    """Insert the canonical op before ``anchor`` and return the node of its output y."""
-    out_dtype = val(anchor).dtype
-    with graph.inserting_before(anchor):
-        op = fx_utils.call(graph, NORM, x, weight, bias, float(eps), is_rms, out_dtype)
+REVERT_KEY = "fusenorm_revert"  # meta of a canonical op: how to put back what it replaced (patterns/prospects.py)
+
+
+@dataclass
+class Original:
+    """What a canonical op replaced, kept until the prospects step decides (patterns/prospects.py): the
+    erased nodes as they were (node, op, target, args, kwargs, meta, name; in graph order), the one whose
+    users the op took over, and the report's record of the rewrite."""
+
+    nodes: list[tuple]
+    end: Node
+    record: Any
+
+
+def canonicalize(graph: fx.Graph, rep: GraphReport, pattern: str, end: Node, nodes: list[Node], x, weight, bias,
+                 eps: float, is_rms: bool, detail: str) -> Node:
+    """Insert the canonical op before ``end`` (the last node of the norm as written), give it end's users,
+    erase ``nodes`` (the norm's nodes, end included) where nothing else reads them, and record the rewrite.
+    The erased nodes are kept on the op (``REVERT_KEY``) so the prospects step can put them back exactly."""
+    with graph.inserting_before(end):
+        op = fx_utils.call(graph, NORM, x, weight, bias, float(eps), is_rms, val(end).dtype)
         y = fx_utils.call(graph, operator.getitem, op, 0)
-    y.meta.update({k: v for k, v in anchor.meta.items() if k in ("stack_trace", "nn_module_stack")})
+    y.meta.update({k: v for k, v in end.meta.items() if k in ("stack_trace", "nn_module_stack")})
+    mine = set(nodes)
+    before = [(n, n.op, n.target, n.args, dict(n.kwargs), dict(n.meta), n.name) for n in graph.nodes if n in mine]
+    end.replace_all_uses_with(y)
+    fx_utils.erase_if_unused(graph, nodes)
+    xv = val(x)
+    rep.rewrite(pattern, "pre_grad", [n.name for n in nodes], {"x": list(xv.shape)}, xv.dtype,
+                "fusenorm::norm (canonical)", detail)
+    op.meta[REVERT_KEY] = Original([r for r in before if getattr(r[0], "_erased", False)], end, rep.rewrites[-1])
     return y
 
 
@@ -100,12 +125,8 @@ class _NormCall(Pattern):
 
     def rewrite(self, graph: fx.Graph, m: dict[str, Any], rep: GraphReport) -> None:
         node = m["node"]
-        y = _insert_norm(graph, node, m["x"], m["weight"], m["bias"], m["eps"], self.is_rms)
-        node.replace_all_uses_with(y)
-        graph.erase_node(node)
-        xv = val(m["x"])
-        rep.rewrite(self.name, self.stage, [node.name], {"x": list(xv.shape)}, xv.dtype,
-                    "fusenorm::norm (canonical)", f"eps={m['eps']}")
+        canonicalize(graph, rep, self.name, node, [node], m["x"], m["weight"], m["bias"], m["eps"], self.is_rms,
+                     f"eps={m['eps']}")
 
 
 class LayerNormCall(_NormCall):
@@ -301,13 +322,8 @@ class _HandRMSNorm(Pattern):
         return {"x": source, "eps": float(eps), "weight": weight, "end": end, "nodes": nodes}
 
     def rewrite(self, graph: fx.Graph, m: dict[str, Any], rep: GraphReport) -> None:
-        end = m["end"]
-        y = _insert_norm(graph, end, m["x"], m["weight"], None, m["eps"], True)
-        end.replace_all_uses_with(y)
-        fx_utils.erase_if_unused(graph, reversed(m["nodes"]))
-        xv = val(m["x"])
-        rep.rewrite(self.name, self.stage, [n.name for n in m["nodes"]], {"x": list(xv.shape)}, xv.dtype,
-                    "fusenorm::norm (canonical)", f"eps={m['eps']}, weight={'yes' if m['weight'] else 'no'}")
+        canonicalize(graph, rep, self.name, m["end"], m["nodes"], m["x"], m["weight"], None,
+                     m["eps"], True, f"eps={m['eps']}, weight={'yes' if m['weight'] else 'no'}")
 
 
 class LlamaRMSNorm(_HandRMSNorm):
@@ -422,14 +438,8 @@ class ManualLayerNorm(Pattern):
                 "nodes": nodes + inner}
 
     def rewrite(self, graph: fx.Graph, m: dict[str, Any], rep: GraphReport) -> None:
-        end = m["end"]
-        y = _insert_norm(graph, end, m["x"], m["weight"], m["bias"], m["eps"], False)
-        end.replace_all_uses_with(y)
-        fx_utils.erase_if_unused(graph, m["nodes"])
-        xv = val(m["x"])
-        rep.rewrite(self.name, self.stage, [n.name for n in m["nodes"]], {"x": list(xv.shape)}, xv.dtype,
-                    "fusenorm::norm (canonical)",
-                    f"eps={m['eps']}, weight={'yes' if m['weight'] else 'no'}, bias={'yes' if m['bias'] else 'no'}")
+        canonicalize(graph, rep, self.name, m["end"], m["nodes"], m["x"], m["weight"], m["bias"], m["eps"], False,
+                     f"eps={m['eps']}, weight={'yes' if m['weight'] else 'no'}, bias={'yes' if m['bias'] else 'no'}")
 
 
 PRE_GRAD_PATTERNS = (LayerNormCall(), RMSNormCall(), LlamaRMSNorm(), T5RMSNorm(), GemmaRMSNorm(), ManualLayerNorm())

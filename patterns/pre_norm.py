@@ -121,34 +121,13 @@ class NormLinearFwd(Pattern):
         match.consumers.append(Consumer(u, b, bias, None))
 
     def check_speed(self, args, x: Node, consumers: list[Consumer], n_wgrads: int, m: int, k: int) -> None:
-        """Fused only where it was measured to win (always on CPU). The unfused graph runs the norm once for
-        all its linears, so with fan-out the fused GEMMs' sum is weighed against one norm + their GEMMs. In
-        training each weight gradient rebuilds norm(x) from x and the statistics (``mm_normed``: one read of
-        x, one write of y, at copy speed like the norm itself), where the unfused graph reads the y it saved:
-        that cost is added to the fused side, so a fusion that wins the forward but loses the step is not
-        taken."""
-        xv = val(x)
-        a2 = fx_utils.flat_like(xv, m, k)
-        for c in consumers:
-            c.choice = prenorm_choice(a2, val(c.b), val(c.bias), val(args["weight"]), val(args["bias"]),
-                                      args["eps"], args["is_rms"], xv.dtype)
-        if any(c.choice.t_fused_ms is None for c in consumers):  # not measured (CPU, or measuring off)
-            for c in consumers:
-                require(c.choice.fuse, f"{c.gemm.name}: {c.choice.reason}")
-            return
-        t_norm = prenorm_norm_ms(a2)
-        t_fused = sum(c.choice.t_fused_ms for c in consumers) + n_wgrads * t_norm
-        t_unfused = sum(c.choice.t_unfused_ms - t_norm for c in consumers) + t_norm
-        if t_fused < t_unfused * (1.0 - config.tuning.margin):
-            return
-        if len(consumers) == 1 and not n_wgrads:
-            raise Reject(f"{consumers[0].gemm.name}: {consumers[0].choice.reason}")
-        what = f"{len(consumers)} GEMM(s)"
-        if n_wgrads:
-            what += f" + {n_wgrads} rebuild(s) of norm(x) for the weight gradients"
-        # The format of tuning._choice's reasons: "(measured <fused> ms fused [what] vs <unfused> ms ...)".
-        raise Reject(f"left unfused: fusion would not win (measured {t_fused:.4g} ms fused [{what}] vs "
-                     f"{t_unfused:.4g} ms for one norm at copy speed + the cuBLAS GEMMs)")
+        a2 = fx_utils.flat_like(val(x), m, k)
+        choices, why_not = prenorm_decision(a2, [(val(c.b), val(c.bias), c.gemm.name) for c in consumers],
+                                            val(args["weight"]), val(args["bias"]), args["eps"], args["is_rms"],
+                                            n_wgrads)
+        for c, choice in zip(consumers, choices):
+            c.choice = choice
+        require(why_not is None, why_not)
 
     # ---- rewrite ---------------------------------------------------------------------------------------
     def rewrite(self, graph: fx.Graph, m: PreNormMatch, rep: GraphReport) -> None:
@@ -204,3 +183,32 @@ class NormLinearFwd(Pattern):
             f"consumers={len(m.consumers)}, weight gradients rebuilt from stats={len(m.wgrads)}, "
             f"saves x + mean/rstd, never the normalized tensor{taken}",
         )
+
+
+def prenorm_decision(a2: torch.Tensor, consumers: list[tuple], weight, norm_bias, eps: float, is_rms: bool,
+                     n_wgrads: int) -> tuple[list[Choice], Optional[str]]:
+    """Whether to fuse a norm into its consumer linears: (each consumer's choice, None to fuse or the reason
+    not to). ``a2`` is the [M, K] normalized input, ``consumers`` (b [K, N], bias, name) per linear. Fused
+    only where it was measured to win (always on CPU). The unfused graph runs the norm once for all its
+    linears, so with fan-out the fused GEMMs' sum is weighed against one norm + their GEMMs. In training each
+    weight gradient rebuilds norm(x) from x and the statistics (``mm_normed``: one read of x, one write of y,
+    at copy speed like the norm itself), where the unfused graph reads the y it saved: that cost is added to
+    the fused side, so a fusion that wins the forward but loses the step is not taken. Also asked at the
+    pre-grad stage (patterns/prospects.py), with the shapes the joint graph will have."""
+    choices = [prenorm_choice(a2, b, bias, weight, norm_bias, eps, is_rms, a2.dtype) for b, bias, _ in consumers]
+    if any(c.t_fused_ms is None for c in choices):  # not measured (CPU, or measuring off)
+        bad = [(name, c) for (_, _, name), c in zip(consumers, choices) if not c.fuse]
+        return choices, (f"{bad[0][0]}: {bad[0][1].reason}" if bad else None)
+    t_norm = prenorm_norm_ms(a2)
+    t_fused = sum(c.t_fused_ms for c in choices) + n_wgrads * t_norm
+    t_unfused = sum(c.t_unfused_ms - t_norm for c in choices) + t_norm
+    if t_fused < t_unfused * (1.0 - config.tuning.margin):
+        return choices, None
+    if len(consumers) == 1 and not n_wgrads:
+        return choices, f"{consumers[0][2]}: {choices[0].reason}"
+    what = f"{len(consumers)} GEMM(s)"
+    if n_wgrads:
+        what += f" + {n_wgrads} rebuild(s) of norm(x) for the weight gradients"
+    # The format of tuning._choice's reasons: "(measured <fused> ms fused [what] vs <unfused> ms ...)".
+    return choices, (f"left unfused: fusion would not win (measured {t_fused:.4g} ms fused [{what}] vs "
+                     f"{t_unfused:.4g} ms for one norm at copy speed + the cuBLAS GEMMs)")

@@ -265,11 +265,20 @@ def check_matches_eager(d0: int, specs: list, lead: tuple) -> None:
         bound = 2 * _err(e, r) + TOL[torch.float32]
         err = _err(g, r)
         assert err <= bound, f"{name}: error {err:.3g} vs float64 exceeds {bound:.3g} (eager {_err(e, r):.3g})"
+    return model, x, got
+
+
+def check_untouched(model: nn.Module, x: torch.Tensor, got: list) -> None:
+    """Nothing fused: fusenorm's compile is plain Inductor's, bit for bit (outputs and every gradient)."""
+    torch._dynamo.reset()
+    plain = _fwd_bwd(torch.compile(copy.deepcopy(model), backend="inductor", dynamic=False), x)
+    for i, (p, g) in enumerate(zip(plain, got)):
+        assert torch.equal(p, g), f"result {i} differs from plain Inductor's with nothing fused"
 
 
 def test_random_models_match_eager():
     fired: Counter = Counter()  # rewrites by pattern, over all examples
-    fused_examples = []
+    fused_examples, untouched = [], []
 
     @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
               phases=(Phase.explicit, Phase.generate),  # no shrinking: each step is a compile (the spec is printed)
@@ -283,11 +292,14 @@ def test_random_models_match_eager():
     def check(model_spec):
         rows, lead, d0, specs = model_spec
         before = Counter(counters["fusenorm"])
-        check_matches_eager(d0, specs, lead)
+        model, x, got = check_matches_eager(d0, specs, lead)
         new = Counter(counters["fusenorm"]) - before
         fired.update(new)
         if any(not k.startswith("canonical") for k in new):
             fused_examples.append(specs)
+        elif not new:  # no norm kept canonical either (each went back as written)
+            untouched.append(specs)
+            check_untouched(model, x, got)
 
     check()
     # The examples exercised fusenorm: every fusion and every canonical form fired, in most models.
@@ -298,3 +310,5 @@ def test_random_models_match_eager():
     for pattern in patterns:
         assert fired[pattern] > 0, f"no generated model had {pattern} applied: {dict(fired)}"
     assert len(fused_examples) >= MAX_EXAMPLES // 2, f"only {len(fused_examples)} of {MAX_EXAMPLES} models fused"
+    if MAX_EXAMPLES >= 100:
+        assert untouched, "no generated model was left untouched (the bitwise check never ran)"
