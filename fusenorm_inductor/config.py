@@ -128,6 +128,12 @@ class tuning:
     # (benchmarks/results/gemm_norm_gluon_fwd_h200.json) every shape measured >= 13% faster than the
     # estimate was faster than Inductor; 15% keeps a little room.
     margin_gluon: float = 0.15
+    # Without CUDA graphs each side of the decision takes at least host_weight x its host time per call.
+    # Weighted because the compiled graph's own host work per step (guards, wrappers, allocations) runs on
+    # the same thread: on the H200, a one-op step's host time was about twice the op's own, so a fused
+    # kernel measured 42% faster than Inductor's pair ran no faster there, and one 19% faster ran 8% slower
+    # (benchmarks/results/host_cost_h200.json). 0 ignores host times.
+    host_weight: float = 2.0
     # Milliseconds of CUDA-graph replays per timed candidate.
     rep_ms: float = 25.0
 

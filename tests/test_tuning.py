@@ -222,6 +222,27 @@ def test_gluon_configs_fuse_at_their_own_margin(monkeypatch, kind, fused):
         assert tuning._choice(("k",), torch.device("cuda"), lambda: entry, lambda: "first").fuse is not fused
 
 
+@pytest.mark.parametrize("cudagraphs, weight, fused", [(False, 2.0, False), (True, 2.0, True), (False, 0.0, True),
+                                                       (False, 1.0, True)])
+def test_host_time_counts_without_cuda_graphs(monkeypatch, cudagraphs, weight, fused):
+    """A fused kernel of 0.05 ms against 0.1 ms unfused, with 45 us of host time per fused call against 27 us
+    for the unfused pair: without CUDA graphs and host times weighted 2x it is 0.09 vs 0.1 ms, not 15% faster
+    (left unfused, the reason gives the host times); under CUDA graphs (mode="reduce-overhead"), with host
+    times ignored (weight 0) or counted once, it fuses."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(measure, "can_measure", lambda device: True)
+    monkeypatch.setattr(measure, "lookup", lambda key: None)
+    monkeypatch.setattr(measure, "store", lambda key, entry: None)
+    monkeypatch.setattr(measure, "unfused_host_us", lambda device: 27.0)
+    entry = {"config": ["gl_coop", 128, 128, 64, 4, 4], "t_fused_ms": 0.05, "t_unfused_ms": 0.1, "candidates": {},
+             "h_fused_us": 45.0}
+    with config.patch({"tuning.host_weight": weight}), inductor_config.patch({"triton.cudagraphs": cudagraphs}):
+        choice = tuning._choice(("k",), torch.device("cuda"), lambda: entry, lambda: "first")
+    assert choice.fuse is fused, choice
+    assert ("host 45 us fused vs 27 us unfused" in choice.reason) is (not cudagraphs and weight > 0), choice.reason
+
+
 def test_no_import_circle_between_decision_and_kernels():
     """The launchers (``*_kernels.py``) look configurations up in ops/measure.py, which imports no kernel
     module; only the compile-time decision (ops/tuning.py) reaches into the kernel modules, to measure."""

@@ -38,6 +38,7 @@ import json
 import math
 import os
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Callable, Optional
@@ -53,11 +54,24 @@ _misses: set[tuple] = set()  # keys the disk cache did not have (read the file o
 _warned: set[tuple] = set()  # what was warned about already (a cache file, a cache directory, a probed device)
 
 
+_generation = [0]  # bumped whenever an entry is stored or forgotten: launch plans made before are stale
+
+
 def clear_memory() -> None:
     """Forget in-process results and which problems were warned about (the disk cache stays); tests use it."""
     _memo.clear()
     _misses.clear()
     _warned.clear()
+    _generation[0] += 1
+
+
+def plan_key(tensors: tuple, *flags) -> tuple:
+    """The key of a launcher's cached launch plan (the fused ops' host cost: one dict lookup per call): what
+    decides the kernel, its validation and its TMA descriptors of each tensor argument (shape, strides,
+    dtype, device, 16-byte alignment), the op's flags, and what else changes the choice (the measurements,
+    deterministic mode)."""
+    sig = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors)
+    return sig + flags + (_generation[0], torch.are_deterministic_algorithms_enabled())
 
 
 def warn_once(what: tuple, msg: str) -> None:
@@ -189,6 +203,7 @@ def lookup(key: tuple) -> Optional[dict]:
 
 def store(key: tuple, entry: dict) -> None:
     _memo[key] = entry
+    _generation[0] += 1
     _misses.discard(key)
     if entry.get("t_unfused_ms") is not None:  # without it (a failed bandwidth probe) it stays in this process
         _write_disk(_disk_key(key), entry)
@@ -344,14 +359,85 @@ def copy_bandwidth_gbps(device: torch.device) -> float:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def make_entry(best, times: dict, t_unfused: Optional[float]) -> dict:
-    """A cache entry: the fastest candidate, every candidate's time, and the unfused estimate."""
+def make_entry(best, times: dict, t_unfused: Optional[float], h_fused_us: Optional[float] = None) -> dict:
+    """A cache entry: the fastest candidate, every candidate's time, the unfused estimate, and the fused
+    call's host time (``fused_host_us``; None when not measured)."""
     return {
         "config": list(best),
         "t_fused_ms": times[best],
         "t_unfused_ms": t_unfused,
         "candidates": {c.label(): t for c, t in times.items()},
+        "h_fused_us": h_fused_us,
     }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host cost: what a call costs the CPU, which bounds a step that runs without CUDA graphs when kernels are short
+# ----------------------------------------------------------------------------------------------------------
+
+
+def host_us(fn: Callable[[], object], calls: int = 20, repeats: int = 5) -> Optional[float]:
+    """Host time per call of fn: the wall time of back-to-back calls without a sync (the launches queue up
+    on the GPU, so the loop runs at the CPU's pace), the least of ``repeats`` loops; None when fn fails."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+        return best
+    except Exception:  # noqa: BLE001 - a host time is advice: without it the decision uses GPU times only
+        return None
+
+
+@torch.library.custom_op("fusenorm::host_probe", mutates_args=())
+def _host_probe(x: Tensor) -> Tensor:
+    """An op that does nothing: its call is what dispatching a fusenorm custom op costs the host."""
+    return x.new_empty((0,))
+
+
+@_host_probe.register_fake
+def _(x):
+    return x.new_empty((0,))
+
+
+def fused_host_us(launch: Callable[[], object]) -> Optional[float]:
+    """A fused op's host time per call as a compiled graph calls it: the custom op's dispatch and the launch
+    plan's lookup (measured once per process and device), plus ``launch``'s host time."""
+    t = host_us(launch) if torch.cuda.is_available() else None
+    if t is None:
+        return None
+    key = ("dispatch_us", torch.cuda.current_device())
+    if key not in _memo:
+        with RealInputs():
+            x = torch.empty(16, device="cuda")
+            op = torch.ops.fusenorm.host_probe.default
+            probe = host_us(lambda: (op(x), plan_key((x, x, None, x, x, None), 1e-5, True, None, False)), calls=100)
+        _memo[key] = {"us": probe or 0.0}
+    return t + _memo[key]["us"]
+
+
+def unfused_host_us(device: torch.device) -> Optional[float]:
+    """The unfused pair's host time per call: cuBLAS's GEMM and one Triton kernel launch (Inductor's norm),
+    on small inputs; measured once per device and process (None when it cannot be)."""
+    key = ("unfused_host_us", device)
+    if not torch.cuda.is_available():
+        return None
+    if key not in _memo:
+        import triton
+
+        with RealInputs():
+            a = torch.randn(64, 64, device=device, dtype=torch.bfloat16)
+            src, dst = torch.empty(1024, device=device), torch.empty(1024, device=device)
+            kernel = _copy_kernel()
+            mm = host_us(lambda: torch.mm(a, a), calls=100)
+            launch = host_us(lambda: kernel[(triton.cdiv(1024, 1024),)](src, dst, 1024, BLOCK=1024), calls=100)
+        _memo[key] = {"us": None if mm is None or launch is None else mm + launch}
+    return _memo[key]["us"]
 
 
 def config_of(entry: dict):

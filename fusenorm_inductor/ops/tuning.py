@@ -3,7 +3,10 @@
 ``forward_choice`` / ``backward_choice`` / ``prenorm_choice`` (called by the patterns at compile time, on
 the traced graph's fake tensors) take the best fused time of the kernels' candidates against the unfused
 path's time, estimated as cuBLAS's GEMM plus a norm at copy speed (Inductor's norm kernels run at the copy
-bandwidth: docs/baselines-h200.md), so the estimate is what plain Inductor does. Fusion is kept only when it
+bandwidth: docs/baselines-h200.md), so the estimate is what plain Inductor does. Unless the graph will run
+under CUDA graphs, each side takes at least ``config.tuning.host_weight`` times its host time per call (the
+fused op as a compiled graph calls it, against cuBLAS's call plus one Triton launch: ``measure.fused_host_us``
+/ ``unfused_host_us``): without CUDA graphs a kernel shorter than its launch waits for the CPU. Fusion is kept only when it
 is faster by ``config.tuning.margin`` (``margin_gluon`` where the measured kernel is a Gluon one);
 otherwise the match report names the measured times and Inductor compiles the graph as it would without
 fusenorm. The measurements are the kernels' own (``measure_forward`` in mm_norm_kernels.py, ...), kept in
@@ -130,7 +133,24 @@ def _choice(key, device, measure_fn: Callable[[], dict], default_label: Callable
     if t_u is None:
         return Choice(True, label, f"fused ({_PROBE_FAILED})")
     margin = config.tuning.margin_gluon if label.startswith("gl_") else config.tuning.margin
+    host = ""
+    h_f, weight = entry.get("h_fused_us"), config.tuning.host_weight
+    use_host = isinstance(h_f, (int, float)) and weight > 0 and not _under_cuda_graphs()
+    h_u = measure.unfused_host_us(device) if use_host else None
+    if h_u is not None:
+        # Without CUDA graphs a call takes at least its host time (weighted: config.tuning.host_weight): a
+        # kernel shorter than that waits for the CPU.
+        host = f"; host {h_f:.0f} us fused vs {h_u:.0f} us unfused per call, no CUDA graphs"
+        t_f, t_u = max(t_f, weight * h_f / 1e3), max(t_u, weight * h_u / 1e3)
     fuse = t_f < t_u * (1.0 - margin)
     verdict = "fused" if fuse else "left unfused: fusion would not win"
-    reason = f"{verdict} (measured {t_f:.4g} ms fused [{label}] vs {t_u:.4g} ms {what})"
+    reason = f"{verdict} (measured {t_f:.4g} ms fused [{label}] vs {t_u:.4g} ms {what}{host})"
     return Choice(fuse, label, reason, t_f, t_u)
+
+
+def _under_cuda_graphs() -> bool:
+    """Whether the graph being compiled will run under CUDA graphs (``mode="reduce-overhead"``), where a
+    call's host time is paid once at capture, not per step."""
+    import torch._inductor.config as inductor_config
+
+    return bool(inductor_config.triton.cudagraphs)

@@ -11,6 +11,7 @@ pick) and runs that object, so a kernel can never be launched without its cluste
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -107,10 +108,80 @@ def compiled_kernel(kernel, args: tuple, cluster: int, **options):
 def run(compiled, grid: int, args: tuple, num_warps: int) -> None:
     """Launch ``compiled`` (from ``compiled_kernel``; its last parameter is ``num_warps``) on ``grid``
     programs (clusters, when it was set to launch in them) on the current stream."""
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
     compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, num_warps)
 
 
 def cluster_grid(compiled, cluster: int, work: int, device: torch.device) -> int:
     """Clusters to launch for ``work`` row blocks: all that fit at once (persistent), at most one per block."""
     return max(1, min(work, max_active_clusters(compiled, cluster, device)))
+
+
+# ---- the per-call fast path (host cost) ----------------------------------------------------------------------
+
+_DESC_CACHE_MAX = 1024  # encoded descriptors kept per launcher
+
+
+class _Desc(NamedTuple):  # what triton's make_tensordesc_arg reads of a host descriptor
+    base: torch.Tensor
+    shape: list
+    strides: list
+    padding: str
+
+
+class FastLauncher:
+    """Launches a compiled kernel whose first ``n_desc`` parameters are TMA descriptors with no per-call
+    Python but a dict lookup per descriptor: the encoded CUtensorMap of a (pointer, shape, strides) is kept
+    (the caching allocator hands a step the same addresses again, and a map depends on nothing else), and the
+    launcher's C entry point is called directly on the raw CUDA stream. Made by ``fast_launcher``, which
+    returns None where this triton's launcher is not the one this was written against (the caller then
+    launches through ``run``)."""
+
+    def __init__(self, compiled, c_launch, metas: list, n_desc: int, num_warps: int, device: torch.device) -> None:
+        from triton.backends.nvidia import driver
+
+        self._encode = driver.make_tensordesc_arg
+        self.c_launch, self.metas, self.n_desc, self.num_warps = c_launch, metas, n_desc, num_warps
+        run = compiled.run
+        self.head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                     compiled.packed_metadata, None, None, None)
+        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+        # (param, ptr, shape, strides, dtype) -> expanded descriptor arguments. Per launcher: a map also
+        # encodes this kernel's box and swizzle (its tensordesc metadata).
+        self.cache: dict = {}
+
+    def _expanded(self, i: int, t: torch.Tensor) -> list:
+        key = (i, t.data_ptr(), t.shape, t.stride(), t.dtype)
+        e = self.cache.get(key)
+        if e is None:
+            if len(self.cache) >= _DESC_CACHE_MAX:
+                self.cache.clear()
+            e = self._encode(_Desc(t, list(t.shape), list(t.stride()), "zero"), self.metas[i])
+            self.cache[key] = e
+        return e
+
+    def __call__(self, grid: int, descs: tuple, rest: tuple) -> None:
+        expanded = []
+        for i, t in enumerate(descs):
+            expanded += self._expanded(i, t)
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        self.c_launch(grid, 1, 1, stream, *self.head, *expanded, *rest, self.num_warps)
+
+
+def fast_launcher(compiled, n_desc: int, num_warps: int, device: torch.device) -> Optional[FastLauncher]:
+    """A ``FastLauncher`` for ``compiled`` (from ``compiled_kernel``), or None where this triton's launcher
+    differs from triton 3.6's (a Python wrapper over a C ``launch`` that expands host TMA descriptors into
+    (CUtensorMap, shape, strides)), or the kernel needs scratch memory."""
+    try:
+        from triton.backends.nvidia import driver
+
+        run = compiled.run
+        wrapper = run.launch
+        cells = dict(zip(wrapper.__code__.co_freevars, (c.cell_contents for c in wrapper.__closure__ or ())))
+        c_launch, metas, indices = cells["launcher"], cells["tensordesc_meta"], cells["tensordesc_indices"]
+        ok = (isinstance(run, driver.CudaLauncher) and set(indices) == set(range(n_desc)) and metas
+              and all(isinstance(m, dict) for m in metas) and not run.global_scratch_size
+              and not run.profile_scratch_size and callable(getattr(driver, "make_tensordesc_arg", None)))
+        return FastLauncher(compiled, c_launch, list(metas), n_desc, num_warps, device) if ok else None
+    except Exception:  # noqa: BLE001 - another triton: launch through run()
+        return None

@@ -467,28 +467,42 @@ def launch_shape(config, n: int, save_normed: bool, gemm_only: bool) -> Launch:
                   L.maxnreg(L.padded_warps(load_warps) + warps * ncons))
 
 
+_RUNTIME = ("a_desc", "b_desc", "y_desc", "hh_desc", "res_desc", "bias_ptr", "w_ptr", "nb_ptr", "mean_ptr",
+            "rstd_ptr", "p1_ptr", "p2_ptr", "M", "N", "K", "eps")  # the kernel's leading, non-constexpr parameters
+
+
+def _operands(a, b, bias, residual, weight, norm_bias, eps, y, hh, mean, rstd, p1, p2, config, shape: Launch
+              ) -> tuple[tuple, tuple]:
+    """The call's values of ``_RUNTIME``: the five tensors behind the TMA descriptors, then the rest."""
+    m, k = a.shape
+    n = b.shape[1]
+    any_ = y  # stands in for absent optional pointers (never read: the flags say so)
+    bias, weight, norm_bias = (_padded(t, config.block_n) for t in (bias, weight, norm_bias))
+    descs = (a, b if b_layout(a, b) == "kn" else b.t(), y, hh if shape.save else y,
+             residual if residual is not None else y)
+    rest = (bias if bias is not None else any_, weight if weight is not None else any_,
+            norm_bias if norm_bias is not None else any_, mean if mean.numel() else rstd, rstd, p1, p2,
+            m, n, k, float(eps))
+    return descs, rest
+
+
+def runtime_args(a, b, bias, residual, weight, norm_bias, eps, y, hh, mean, rstd, p1, p2, config,
+                 shape: Launch) -> tuple:
+    """The kernel's parameters that change from call to call (``_RUNTIME``): descriptors, pointers, sizes."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    descs, rest = _operands(a, b, bias, residual, weight, norm_bias, eps, y, hh, mean, rstd, p1, p2, config, shape)
+    kn = b_layout(a, b) == "kn"
+    blocks = ([bm, bk], [bk, bn] if kn else [bn, bk], [bm, bn], [bm, bn], [bm, bn])
+    return tuple(_descriptor(t, blk) for t, blk in zip(descs, blocks)) + rest
+
+
 def kernel_args(a, b, bias, residual, weight, norm_bias, eps, is_rms, y, hh, mean, rstd, p1, p2, config,
                 shape: Launch) -> tuple:
     """Every parameter of ``mm_norm_kernel`` in order but the last (``num_warps``, a launch option)."""
-    m, k = a.shape
-    n = b.shape[1]
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
-    kn = b_layout(a, b) == "kn"
-    save = shape.save
-    any_ = y  # stands in for absent optional pointers (never read: the flags say so)
-    bias, weight, norm_bias = (_padded(t, bn) for t in (bias, weight, norm_bias))
-    args = (
-        _descriptor(a, [bm, bk]),
-        _descriptor(b, [bk, bn]) if kn else _descriptor(b.t(), [bn, bk]),
-        _descriptor(y, [bm, bn]),
-        _descriptor(hh, [bm, bn]) if save else _descriptor(y, [bm, bn]),
-        _descriptor(residual, [bm, bn]) if residual is not None else _descriptor(y, [bm, bn]),
-        bias if bias is not None else any_, weight if weight is not None else any_,
-        norm_bias if norm_bias is not None else any_, mean if mean.numel() else rstd, rstd, p1, p2,
-        m, n, k, float(eps),
-    )
-    consts = _constexprs(config, shape, n, kn, bias=bias is not None, residual=residual is not None,
-                         has_w=weight is not None, has_nb=norm_bias is not None, is_rms=bool(is_rms))
+    args = runtime_args(a, b, bias, residual, weight, norm_bias, eps, y, hh, mean, rstd, p1, p2, config, shape)
+    consts = _constexprs(config, shape, b.shape[1], b_layout(a, b) == "kn", bias=bias is not None,
+                         residual=residual is not None, has_w=weight is not None, has_nb=norm_bias is not None,
+                         is_rms=bool(is_rms))
     return args + tuple(consts[p] for p in _PARAMS[len(args):-1])
 
 
@@ -510,34 +524,67 @@ class SpillError(RuntimeError):
     """The compiled kernel spills registers: not launched (the caller takes another path)."""
 
 
+class ForwardPlan:
+    """One launch configuration of ``mm_norm_kernel``, made once per argument signature: the compiled kernel
+    (looked up through the JIT, set to launch in clusters), its grid and its compile-time arguments. Calling
+    it launches on new buffers of the same shapes, strides, dtypes and alignment with no per-call work but
+    the TMA descriptors and the launch (the fused op's host cost: ops/mm_norm.py caches plans per signature).
+    Raises ``SpillError`` when the specialization spills (never launched)."""
+
+    def __init__(self, a, b, bias, residual, weight, norm_bias, eps, is_rms, save_normed, y, hh, mean, rstd, config,
+                 gemm_only: bool, alloc) -> None:
+        m, n = a.shape[0], b.shape[1]
+        self.config, self.is_rms = config, bool(is_rms)
+        self.shape = shape = launch_shape(config, n, save_normed, gemm_only)
+        c = shape.cluster
+        if c is None:
+            raise ValueError(f"{config.label()}: N={n} needs an unsupported cluster size")
+        self.alloc = alloc
+        p1, p2 = self._partials(m, rstd)
+        args = kernel_args(a, b, bias, residual, weight, norm_bias, eps, is_rms, y, hh, mean, rstd, p1, p2, config,
+                           shape)
+        self.consts = args[len(_RUNTIME):]
+        compiled = L.compiled_kernel(mm_norm_kernel, args, c, num_warps=shape.num_warps, maxnreg=shape.maxnreg)
+        if getattr(compiled, "n_spills", 0) and not ALLOW_SPILLS:
+            # A few epilogue specializations spill on triton 3.6 (test_gluon_compile.py lists which); they are
+            # never launched: the caller falls back to the tl kernels.
+            raise SpillError(f"{config.label()}: this specialization spills registers ({compiled.n_spills})")
+        self.compiled = compiled
+        self.fast = L.fast_launcher(compiled, 5, shape.num_warps, a.device)
+        row_blocks = -(-m // config.block_m)
+        if c == 1:
+            self.grid = min(row_blocks * -(-n // config.block_n), num_sms(a.device))
+        else:
+            self.grid = L.cluster_grid(compiled, c, row_blocks, a.device)
+
+    def _partials(self, m: int, rstd: Tensor) -> tuple[Tensor, Tensor]:
+        if not self.shape.sync:
+            return rstd, rstd
+        cols = self.shape.cluster * self.shape.span
+        p1 = self.alloc((m, cols), torch.float32)
+        return p1, (self.alloc((m, cols), torch.float32) if not self.is_rms else p1)
+
+    def __call__(self, a, b, bias, residual, weight, norm_bias, eps, y, hh, mean, rstd) -> None:
+        p1, p2 = self._partials(a.shape[0], rstd)
+        if self.fast is not None:
+            descs, rest = _operands(a, b, bias, residual, weight, norm_bias, eps, y, hh, mean, rstd, p1, p2,
+                                    self.config, self.shape)
+            self.fast(self.grid, descs, rest + self.consts)
+            return
+        args = runtime_args(a, b, bias, residual, weight, norm_bias, eps, y, hh, mean, rstd, p1, p2, self.config,
+                            self.shape)
+        L.run(self.compiled, self.grid, args + self.consts, self.shape.num_warps)
+
+
 def mm_norm_gluon(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_normed, y, hh, mean, rstd, config,
-                  gemm_only: bool, alloc) -> None:
+                  gemm_only: bool, alloc) -> ForwardPlan:
     """Write (y, hh, mean, rstd) of ``mm_norm_reference`` with ``config`` (one of ``candidates``) into the
-    given buffers; ``alloc(shape, dtype)`` makes the partials scratch of the cluster path."""
-    m = a.shape[0]
-    n = b.shape[1]
-    shape = launch_shape(config, n, save_normed, gemm_only)
-    c = shape.cluster
-    if c is None:
-        raise ValueError(f"{config.label()}: N={n} needs an unsupported cluster size")
-    if shape.sync:
-        p1 = alloc((m, c * shape.span), torch.float32)
-        p2 = alloc((m, c * shape.span), torch.float32) if not is_rms else p1
-    else:
-        p1 = p2 = rstd
-    args = kernel_args(a, b, bias, residual, weight, norm_bias, eps, is_rms, y, hh, mean, rstd, p1, p2, config, shape)
-    options = dict(num_warps=shape.num_warps, maxnreg=shape.maxnreg)
-    compiled = L.compiled_kernel(mm_norm_kernel, args, c, **options)
-    if getattr(compiled, "n_spills", 0) and not ALLOW_SPILLS:
-        # A few epilogue specializations spill on triton 3.6 (test_gluon_compile.py lists which); they are
-        # never launched: the caller falls back to the tl kernels.
-        raise SpillError(f"{config.label()}: this specialization spills registers ({compiled.n_spills})")
-    row_blocks = -(-m // config.block_m)
-    if c == 1:
-        grid = min(row_blocks * -(-n // config.block_n), num_sms(a.device))
-    else:
-        grid = L.cluster_grid(compiled, c, row_blocks, a.device)
-    L.run(compiled, grid, args, shape.num_warps)
+    given buffers; ``alloc(shape, dtype)`` makes the partials scratch of the cluster path. Returns the plan,
+    which launches the same again on new buffers."""
+    plan = ForwardPlan(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_normed, y, hh, mean, rstd, config,
+                       gemm_only, alloc)
+    plan(a, b, bias, residual, weight, norm_bias, eps, y, hh, mean, rstd)
+    return plan
 
 
 # ----------------------------------------------------------------------------------------------------------
