@@ -31,6 +31,75 @@ def is_static(*tensors: Any) -> bool:
     return True
 
 
+def static_width(*tensors: Any) -> bool:
+    """True when the last dim of every given example value is a plain int: what the fusions need static
+    (the norm's width, a GEMM's K and N); the leading dims (M) may be symbolic (dynamic shapes)."""
+    return all(not isinstance(t, torch.Tensor) or (t.dim() > 0 and as_int(t.shape[-1]) is not None) for t in tensors)
+
+
+def as_int(s: Any) -> Optional[int]:
+    """A size as an int: plain, or symbolic but fixed by the shape environment (Dynamo traces every dim of a
+    ``dynamic=True`` input symbolic, then a linear's weight pins its last dim); None when it is free."""
+    if isinstance(s, torch.SymInt):
+        return s.node.maybe_as_int()
+    return s if isinstance(s, int) else None
+
+
+def hint(s: Any) -> Any:
+    """A symbolic size's value in the example that was traced (its size hint); plain ints pass through."""
+    if isinstance(s, torch.SymInt):
+        node = s.node
+        if node.maybe_as_int() is not None:
+            return node.maybe_as_int()
+        h = getattr(node, "hint", None)
+        return int(h) if h is not None else int(node.shape_env.size_hint(node.expr))
+    return s
+
+
+def shape_args(graph: fx.Graph, shape: Sequence[Any]) -> list:
+    """``shape`` as the size argument of a view inserted at the insertion point: ints stay, each symbolic size
+    becomes a graph value that computes it (a SymInt input of that expression, or ``sym_size`` of an input
+    tensor with it at some dim); with one size left that no input gives, -1 stands in for it. Raises
+    ValueError when that is not enough (more than one such size)."""
+    out: list = []
+    missing = 0
+    sources = None
+    for d in shape:
+        if as_int(d) is not None:
+            out.append(as_int(d))
+            continue
+        if sources is None:
+            sources = _size_sources(graph)
+        src = sources.get(d.node.expr)
+        if src is None:
+            missing += 1
+            out.append(-1)
+        elif isinstance(src, Node):
+            out.append(src)
+        else:
+            node, dim = src
+            out.append(call(graph, aten.sym_size.int, node, dim))
+    if missing > 1:
+        raise ValueError(f"cannot express the symbolic shape {list(shape)} from the graph's inputs")
+    return out
+
+
+def _size_sources(graph: fx.Graph) -> dict:
+    """symbolic expression -> a SymInt placeholder, or (tensor placeholder, dim), for the graph's inputs."""
+    found: dict = {}
+    for n in graph.nodes:
+        if n.op != "placeholder":
+            continue
+        v = val(n)
+        if isinstance(v, torch.SymInt):
+            found.setdefault(v.node.expr, n)
+        elif isinstance(v, torch.Tensor):
+            for i, d in enumerate(v.shape):
+                if isinstance(d, torch.SymInt):
+                    found.setdefault(d.node.expr, (n, i))
+    return found
+
+
 def fake_mode_of(graph: fx.Graph, args: Sequence[Any] = ()):
     """The fake mode the graph's example values live in (the values', not the ambient tracing context's:
     pre-grad graphs carry Dynamo's fake tensors while compile_fx may have set up another mode)."""
@@ -176,13 +245,26 @@ def getitems(graph: fx.Graph, node: Node, count: int) -> list[Node]:
     return [call(graph, operator.getitem, node, i) for i in range(count)]
 
 
-def reshape(graph: fx.Graph, node: Node, shape: Sequence[int]) -> Node:
-    """A view when the layout allows one (no copy), else a reshape."""
+def reshape(graph: fx.Graph, node: Node, shape: Sequence[Any]) -> Node:
+    """A view when the layout allows one (no copy), else a reshape. Symbolic sizes become graph values
+    (``shape_args``)."""
     v = val(node)
-    if tuple(v.shape) == tuple(shape):
+    if same_shape(v.shape, shape):
         return node
     target = aten.view.default if v.is_contiguous() else aten.reshape.default
-    return call(graph, target, node, list(shape))
+    return call(graph, target, node, shape_args(graph, shape))
+
+
+def same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Shapes equal, symbolic sizes compared as expressions (no guard is added: a pass must not specialize)."""
+    return len(a) == len(b) and all(_same_size(x, y) for x, y in zip(a, b))
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    a, b = (as_int(x) if as_int(x) is not None else x for x in (a, b))
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
+    return a == b
 
 
 def inline(graph: fx.Graph, fn: Callable, args: Sequence[Any]) -> Any:
@@ -311,14 +393,29 @@ def render(graph: fx.Graph, nodes: Optional[set[Node]] = None) -> str:
     return sub.python_code("self").src
 
 
-def flat_like(t: torch.Tensor, *shape: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """A contiguous tensor of ``shape`` with t's dtype (or ``dtype``) and device that holds no memory: what the
+def dynamic_note(m: Any) -> str:
+    """For the match report: that the rows are symbolic and at which M the decision was measured."""
+    return f"; dynamic M = {m}: decided as measured at M = {hint(m)}" if isinstance(m, torch.SymInt) else ""
+
+
+def hinted(t: Any) -> Any:
+    """An example value with symbolic sizes as a contiguous one at their hints (what a decision measures);
+    anything static (or not a tensor) as is."""
+    if not isinstance(t, torch.Tensor) or is_static(t):
+        return t
+    return flat_like(t, *t.shape)
+
+
+def flat_like(t: torch.Tensor, *shape: Any, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` (symbolic sizes at their hints) with t's dtype (or ``dtype``) and
+    device that holds no memory: what the
     rewrite's reshape gives the fused op, for the kernel tuner, which reads shapes, strides, dtype and device
     (it measures on CUDA only: a meta tensor here would make every dispatch "not measured"). t is a node's
     example value, a FakeTensor, whose fake mode makes the new one; anything else gives a meta tensor."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     dtype = dtype or t.dtype
+    shape = tuple(hint(d) for d in shape)  # a symbolic M: the traced example's (the decision's representative)
     if isinstance(t, FakeTensor):
         with torch.no_grad():
             return t.new_empty(shape, dtype=dtype)

@@ -57,6 +57,12 @@ class Skip:
     reason: str
 
 
+def _plain(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v if isinstance(v, (int, float, str, type(None))) else str(v)
+
+
 @dataclass
 class GraphReport:
     graph_id: str
@@ -71,6 +77,7 @@ class GraphReport:
     _written_to: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     def rewrite(self, pattern: str, stage: str, nodes, shapes, dtype, kernel, detail: str = "") -> None:
+        shapes = {k: _plain(v) for k, v in shapes.items()}  # symbolic sizes (dynamic shapes) as text
         self.rewrites.append(
             Rewrite(pattern, stage, [str(n) for n in nodes], shapes, str(dtype).replace("torch.", ""), kernel, detail)
         )

@@ -106,7 +106,7 @@ class _NormCall(Pattern):
         x, shape = a["input"], a["normalized_shape"]
         xv = val(x)
         require(isinstance(x, Node) and isinstance(xv, torch.Tensor), "input is not a traced tensor")
-        require(fx_utils.is_static(xv), "dynamic shapes: left to Inductor")
+        require(fx_utils.static_width(xv), "dynamic shapes (a symbolic norm width): left to Inductor")
         require(xv.dtype in _SUPPORTED_DTYPES, f"dtype {xv.dtype} not supported (fp32/fp16/bf16 only)")
         shape = tuple(shape) if isinstance(shape, (list, tuple)) else (shape,)
         shape = tuple(_const_int(s) for s in shape)
@@ -289,7 +289,8 @@ class _HandRMSNorm(Pattern):
         keep = ms.args[2] if len(ms.args) > 2 else ms.kwargs.get("keepdim", False)
         require(x is not None, "mean of something other than x^2")
         xv = val(x)
-        require(isinstance(xv, torch.Tensor) and fx_utils.is_static(xv), "dynamic shapes: left to Inductor")
+        require(isinstance(xv, torch.Tensor) and fx_utils.static_width(xv),
+                "dynamic shapes (a symbolic norm width): left to Inductor")
         last = xv.dim() - 1
         dims = dims if isinstance(dims, (list, tuple)) else [dims]
         require(keep and len(dims) == 1 and dims[0] in (-1, last), "mean is not over the last dim with keepdim")
@@ -394,7 +395,8 @@ class ManualLayerNorm(Pattern):
         x, u = self._centered(d)
         require(x is not None, "the numerator is not x - x.mean(...)")
         xv = val(x)
-        require(isinstance(xv, torch.Tensor) and fx_utils.is_static(xv), "dynamic shapes: left to Inductor")
+        require(isinstance(xv, torch.Tensor) and fx_utils.static_width(xv),
+                "dynamic shapes (a symbolic norm width): left to Inductor")
         require(xv.dtype in _SUPPORTED_DTYPES, f"dtype {xv.dtype} not supported (fp32/fp16/bf16 only)")
         require(_last_dim_keep(u, xv), "mean is not over the last dim with keepdim")
         denom = sqrt.args[0]

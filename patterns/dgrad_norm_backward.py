@@ -61,7 +61,7 @@ class DgradNormBwd(Pattern):
     def match(self, bwd: Node) -> DgradMatch:
         args = bind_op_args(bwd)
         dy = args["dy"]
-        require(fx_utils.is_static(val(dy), val(args["src"])), "dynamic shapes: left to Inductor")
+        require(fx_utils.static_width(val(dy), val(args["src"])), "dynamic shapes (a symbolic width): left to Inductor")
         top, extra = self.split_extra(dy)
         gemm = _gemm_under(top)
         require(gemm is not None, f"norm gradient does not come from a linear's data-gradient GEMM "
@@ -71,13 +71,13 @@ class DgradNormBwd(Pattern):
         self.check_shapes(val(dy), val(gemm))
         self.check_dtypes(val(gemm.args[0]), val(gemm.args[1]))
         if extra is not None:
-            require(tuple(val(extra).shape) == tuple(val(dy).shape) and val(extra).dtype in FLOATS,
+            require(fx_utils.same_shape(val(extra).shape, val(dy).shape) and val(extra).dtype in FLOATS,
                     "other gradient added to the GEMM's broadcasts or has an unsupported dtype")
         return DgradMatch(bwd, args, gemm, extra, chain, self.check_speed(args, gemm, extra))
 
     def check_speed(self, a: dict[str, Any], gemm: Node, extra: Optional[Node]) -> Choice:
         """Fused only where it was measured to beat cuBLAS + the norm backward (always on CPU)."""
-        dyv, bv = val(gemm.args[0]), val(gemm.args[1])
+        dyv, bv = fx_utils.hinted(val(gemm.args[0])), val(gemm.args[1])
         mv, nv = dyv.shape[0], bv.shape[1]
         mean = a["mean"] if a["mean"] is None or a["is_rms"] else flat_like(val(a["mean"]), mv)
         choice = backward_choice(
@@ -118,7 +118,7 @@ class DgradNormBwd(Pattern):
 
     def check_shapes(self, dyv: torch.Tensor, gv: torch.Tensor) -> None:
         """The GEMM's columns are the norm's dim; any view only splits rows."""
-        require(dyv.shape[-1] == gv.shape[-1] and dyv.numel() == gv.numel(),
+        require(dyv.shape[-1] == gv.shape[-1] and fx_utils.same_shape([dyv.numel()], [gv.numel()]),
                 f"norm gradient {tuple(dyv.shape)} is not the GEMM output {tuple(gv.shape)} with rows split")
 
     def check_dtypes(self, av: torch.Tensor, bv: torch.Tensor) -> None:
@@ -152,7 +152,7 @@ class DgradNormBwd(Pattern):
             {"M": mv, "K": val(dy2).shape[1], "N": nv, "dy": list(dyv.shape)}, val(dy2).dtype,
             f"{describe_mm_norm_backward(val(dy2), nv, a['is_rms'])} [{m.choice.config}]: {m.choice.reason}",
             f"{'RMSNorm' if a['is_rms'] else 'LayerNorm'}, reads {'hh' if a['src_is_normed'] else 'x + stats'}, "
-            f"extra gradient={'yes' if m.extra is not None else 'no'}",
+            f"extra gradient={'yes' if m.extra is not None else 'no'}{fx_utils.dynamic_note(mv)}",
         )
 
 

@@ -119,7 +119,7 @@ class LinearNormFwd(Pattern):
 
     def check_speed(self, args, a: Node, b: Node, bias, residual, backward) -> Choice:
         """Fused only where it was measured to beat cuBLAS + the norm on this shape (always on CPU)."""
-        av, bv = val(a), val(b)
+        av, bv = fx_utils.hinted(val(a)), val(b)
         res2 = flat_like(val(residual), av.shape[0], bv.shape[1]) if residual is not None else None
         affine = args["weight"] is not None or args["bias"] is not None
         choice = forward_choice(
@@ -130,8 +130,9 @@ class LinearNormFwd(Pattern):
         return choice
 
     def check_static(self, norm: Node, x: Node) -> None:
-        """Symbolic shapes are left to Inductor (the fused kernels are compiled per static shape)."""
-        require(fx_utils.is_static(val(x), val(norm)[0]), "dynamic shapes: left to Inductor")
+        """The norm's width (the GEMM's N) must be static; the rows (M) may be symbolic: the kernels take M at
+        run time, and the decision is measured at the traced example's M."""
+        require(fx_utils.static_width(val(x), val(norm)[0]), "dynamic shapes (a symbolic width N): left to Inductor")
 
     def split_residual(self, add: Node) -> tuple[Node, Node]:
         """``add(linear, r)`` or ``add(r, linear)``: which side is the GEMM (through views and clones), which the
@@ -167,7 +168,7 @@ class LinearNormFwd(Pattern):
 
     def check_norm_over_gemm_cols(self, xv: torch.Tensor, gv: torch.Tensor) -> None:
         """The norm runs over the GEMM's output columns: the view (if any) only splits the rows."""
-        require(xv.shape[-1] == gv.shape[-1] and xv.numel() == gv.numel(),
+        require(xv.shape[-1] == gv.shape[-1] and fx_utils.same_shape([xv.numel()], [gv.numel()]),
                 f"norm over {tuple(xv.shape)} is not over the linear's output dim {tuple(gv.shape)}")
 
     def check_dtypes(self, av: torch.Tensor, bv: torch.Tensor, xv: torch.Tensor) -> None:
@@ -178,7 +179,7 @@ class LinearNormFwd(Pattern):
 
     def check_residual(self, rv: torch.Tensor, xv: torch.Tensor) -> None:
         """The residual has exactly the pre-norm shape (no broadcasting)."""
-        require(tuple(rv.shape) == tuple(xv.shape), f"residual {tuple(rv.shape)} broadcasts to {tuple(xv.shape)}")
+        require(fx_utils.same_shape(rv.shape, xv.shape), f"residual {tuple(rv.shape)} broadcasts to {tuple(xv.shape)}")
         require(rv.dtype in FLOATS, f"residual dtype {rv.dtype} not supported")
 
     # ---- rewrite ---------------------------------------------------------------------------------------
@@ -220,6 +221,7 @@ class LinearNormFwd(Pattern):
             f"{'RMSNorm' if args['is_rms'] else 'LayerNorm'}, affine={'yes' if affine else 'no'}, "
             f"bias={'yes' if m.bias is not None else 'no'}, residual={'yes' if m.residual is not None else 'no'}, "
             f"saves {'hh' if save_normed else ('y' if m.backward else 'nothing')} for backward"
+            f"{fx_utils.dynamic_note(mv)}"
             f"{'; its output feeds a linear: taken here before pre-norm (norm_linear_fwd)' if feeds_linear else ''}",
         )
 

@@ -71,7 +71,7 @@ class NormLinearFwd(Pattern):
         args = bind_op_args(norm)
         x = args["x"]
         xv = val(x)
-        require(fx_utils.is_static(xv, val(norm)[0]), "dynamic shapes: left to Inductor")
+        require(fx_utils.static_width(xv, val(norm)[0]), "dynamic shapes (a symbolic width K): left to Inductor")
         ys = getitem_users(norm).get(0, [])
         require(ys, "norm output unused")
         out_dtype = args["out_dtype"] or xv.dtype
@@ -81,11 +81,11 @@ class NormLinearFwd(Pattern):
         require(xv.device.type in ("cpu", "cuda"), f"device {xv.device} not supported")
         k = xv.shape[-1]
         m = xv.numel() // k if k else 0
-        require(k > 0 and m > 0, "empty norm input")
+        require(k > 0 and fx_utils.hint(m) > 0, "empty norm input")
         match = PreNormMatch(norm, args, ys, [])
         for y in ys:
             for u in list(y.users):
-                if is_op(u, *VIEWS) and tuple(val(u).shape) == (m, k):
+                if is_op(u, *VIEWS) and fx_utils.same_shape(val(u).shape, (m, k)):
                     match.flat.append(u)
                 elif val(y).dim() == 2 and is_op(u, aten.mm.default, aten.addmm.default):
                     if y not in match.flat:
@@ -181,7 +181,7 @@ class NormLinearFwd(Pattern):
             f"Lazy Pre-Norm GEMM x{len(m.consumers)}: {kernels}",
             f"{'RMSNorm' if is_rms else 'LayerNorm'}, affine={'yes' if affine else 'no'}, "
             f"consumers={len(m.consumers)}, weight gradients rebuilt from stats={len(m.wgrads)}, "
-            f"saves x + mean/rstd, never the normalized tensor{taken}",
+            f"saves x + mean/rstd, never the normalized tensor{taken}{fx_utils.dynamic_note(rows)}",
         )
 
 

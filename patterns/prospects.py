@@ -33,7 +33,7 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from fusenorm_inductor import config
-from fusenorm_inductor.fx_utils import flat_like, val
+from fusenorm_inductor.fx_utils import flat_like, same_shape, val
 from fusenorm_inductor.ops.tuning import backward_choice, forward_choice
 from fusenorm_inductor.report import GraphReport
 
@@ -145,7 +145,7 @@ class NormProspects(Pattern):
             require(sides, "norm input is an add with no linear output on either side")
             chain.append(cur)
             side, residual = sides[0]
-            require(tuple(val(residual).shape) == tuple(val(x).shape),
+            require(same_shape(val(residual).shape, val(x).shape),
                     f"residual {tuple(val(residual).shape)} broadcasts to {tuple(val(x).shape)}")
             cur = _under(side, chain)
         parts = _linear_parts(cur)
