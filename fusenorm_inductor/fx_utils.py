@@ -47,10 +47,10 @@ def as_int(s: Any) -> Optional[int]:
 
 def hint(s: Any) -> Any:
     """A symbolic size's value in the example that was traced (its size hint); plain ints pass through."""
+    if as_int(s) is not None:
+        return as_int(s)
     if isinstance(s, torch.SymInt):
         node = s.node
-        if node.maybe_as_int() is not None:
-            return node.maybe_as_int()
         h = getattr(node, "hint", None)
         return int(h) if h is not None else int(node.shape_env.size_hint(node.expr))
     return s
@@ -261,7 +261,7 @@ def same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
 
 
 def _same_size(a: Any, b: Any) -> bool:
-    a, b = (as_int(x) if as_int(x) is not None else x for x in (a, b))
+    a, b = (x if as_int(x) is None else as_int(x) for x in (a, b))
     if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
         return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
     return a == b

@@ -57,6 +57,12 @@ class Skip:
     reason: str
 
 
+def _uncount(pattern: str) -> None:
+    counters["fusenorm"][pattern] -= 1
+    if not counters["fusenorm"][pattern]:
+        del counters["fusenorm"][pattern]
+
+
 def _plain(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
@@ -92,16 +98,12 @@ class GraphReport:
     def retract(self, record: Rewrite) -> None:
         """Forget one rewrite that was undone (a canonical norm put back as written: patterns/prospects.py)."""
         self.rewrites.remove(record)
-        counters["fusenorm"][record.pattern] -= 1
-        if not counters["fusenorm"][record.pattern]:
-            del counters["fusenorm"][record.pattern]
+        _uncount(record.pattern)
 
     def rollback(self, n_rewrites: int, n_skips: int) -> None:
         """Forget what a stage recorded after the given counts (its graph was restored after an error)."""
         for r in self.rewrites[n_rewrites:]:
-            counters["fusenorm"][r.pattern] -= 1
-            if not counters["fusenorm"][r.pattern]:
-                del counters["fusenorm"][r.pattern]
+            _uncount(r.pattern)
         del self.rewrites[n_rewrites:], self.skips[n_skips:]
 
     def summary(self, stage: str) -> str:

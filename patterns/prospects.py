@@ -32,14 +32,15 @@ import torch.nn.functional as F
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from fusenorm_inductor import config
 from fusenorm_inductor.fx_utils import flat_like, same_shape, val
 from fusenorm_inductor.ops.tuning import backward_choice, forward_choice
 from fusenorm_inductor.report import GraphReport
 
 from .base import Pattern, Reject, bind_op_args, describe, getitem_users, is_op, require
 from .canonical_norms import REVERT_KEY, Original
-from .pre_norm import prenorm_decision
+from .dgrad_norm_backward import DgradNormBwd
+from .post_norm import LinearNormFwd
+from .pre_norm import NormLinearFwd, prenorm_decision
 
 NORM = torch.ops.fusenorm.norm.default
 LINEARS = (torch._C._nn.linear, F.linear)
@@ -111,8 +112,6 @@ class NormProspects(Pattern):
                 for name, why in reasons:  # each forward fusion's reason under its own name, as the joint stage does
                     if name != "dgrad_norm_bwd":
                         rep.skip(name, self.stage, orig.end.name, why)
-        for n in graph.nodes:  # the erased originals of norms taken by the attention patterns
-            n.meta.pop(REVERT_KEY, None)
         return 0
 
     def prospects(self, op: Node, orig: Original) -> list[tuple[str, str]]:
@@ -120,11 +119,11 @@ class NormProspects(Pattern):
         args = bind_op_args(op)
         training = bool(getattr(val(orig.end), "requires_grad", False))
         reasons = []
-        checks = (("linear_norm_fwd", self.post_norm), ("norm_linear_fwd", self.pre_norm),
-                  ("dgrad_norm_bwd", self.dgrad))
-        for name, check in checks:
-            if not getattr(config.patterns, name):
-                reasons.append((name, f"pattern disabled by config (patterns.{name})"))
+        checks = ((LinearNormFwd(), self.post_norm), (NormLinearFwd(), self.pre_norm), (DgradNormBwd(), self.dgrad))
+        for pattern, check in checks:
+            name = pattern.name
+            if not pattern.enabled():
+                reasons.append((name, f"pattern disabled by config ({pattern.switch})"))
                 continue
             try:
                 check(op, args, training)

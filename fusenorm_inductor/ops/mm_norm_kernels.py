@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import config as settings  # "config" names the GemmConfig arguments here
 from . import measure
 from ._triton_common import (
     FINALIZE_WARPS,
@@ -487,6 +488,14 @@ def _alloc(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _outputs(m: int, n: int, out_dtype, h_dtype, is_rms: bool, save_normed: bool, dev) -> tuple:
+    """The op's (y, hh, mean, rstd) buffers (module docstring of ops/mm_norm.py: hh and mean may be 0-size)."""
+    f32 = torch.float32
+    y = _alloc((m, n), out_dtype, dev)
+    hh = _alloc((m, n), h_dtype, dev) if save_normed else _alloc((0,), f32, dev)
+    return y, hh, _alloc((0,) if is_rms else (m,), f32, dev), _alloc((m,), f32, dev)
+
+
 def _scratch(y, hh, out_dtype, h_dtype, save_normed, m, n, dev) -> Tensor:
     """Where multi-tile paths keep h between the GEMM and the normalization (module docstring): y when it
     has the pre-norm dtype or fp32, else hh when it is written, else a fresh buffer in the pre-norm dtype."""
@@ -499,9 +508,7 @@ def _scratch(y, hh, out_dtype, h_dtype, save_normed, m, n, dev) -> Tensor:
 
 def gluon_unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed) -> Optional[str]:
     """Why the Gluon sm_90 kernels (kernels/hopper/mm_norm.py) cannot take these inputs; None when they can."""
-    from .. import config
-
-    if not config.gluon:
+    if not settings.gluon:
         return "off (config.gluon / FUSENORM_GLUON)"
     if _FORCE_BLOCK_N is not None:
         return "test hook _FORCE_BLOCK_N set"
@@ -570,10 +577,7 @@ def mm_norm_triton(
     out_dtype = out_dtype or a.dtype
     h_dtype = torch.promote_types(a.dtype, residual.dtype) if residual is not None else a.dtype
     f32 = torch.float32
-    y = _alloc((m, n), out_dtype, dev)
-    hh = _alloc((m, n), h_dtype, dev) if save_normed else _alloc((0,), f32, dev)
-    mean = _alloc((0,) if is_rms else (m,), f32, dev)
-    rstd = _alloc((m,), f32, dev)
+    y, hh, mean, rstd = _outputs(m, n, out_dtype, h_dtype, is_rms, save_normed, dev)
     if m == 0:
         return y, hh, mean, rstd
     explicit = config is not None  # a caller timing this config (tuning, tests) hears that it cannot run
@@ -705,10 +709,8 @@ def mm_norm_cuda(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype
     argument signature (measure.plan_key: no validation, tuning lookup or JIT specialization per call), else
     ``check()`` and the full launcher, whose plan is kept when it made one (the Gluon path; not while a CUDA
     graph is captured, where the tuner could not measure)."""
-    from .. import config
-
     key = measure.plan_key((a, b, bias, residual, weight, norm_bias), eps, is_rms, out_dtype, save_normed,
-                           config.gluon, _FORCE_BLOCK_N)
+                           settings.gluon, _FORCE_BLOCK_N)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan(a, b, bias, residual, weight, norm_bias, eps)
@@ -721,13 +723,8 @@ def mm_norm_cuda(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype
 
 
 def _gluon_launcher(plan, m: int, n: int, out_dtype, h_dtype, is_rms: bool, save_normed: bool, dev) -> Callable:
-    f32 = torch.float32
-
     def launch(a, b, bias, residual, weight, norm_bias, eps):
-        y = _alloc((m, n), out_dtype, dev)
-        hh = _alloc((m, n), h_dtype, dev) if save_normed else _alloc((0,), f32, dev)
-        mean = _alloc((0,) if is_rms else (m,), f32, dev)
-        rstd = _alloc((m,), f32, dev)
+        y, hh, mean, rstd = _outputs(m, n, out_dtype, h_dtype, is_rms, save_normed, dev)
         plan(a, b, bias, residual, weight, norm_bias, eps, y, hh, mean, rstd)
         return y, hh, mean, rstd
 

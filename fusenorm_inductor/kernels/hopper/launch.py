@@ -137,11 +137,11 @@ class FastLauncher:
     returns None where this triton's launcher is not the one this was written against (the caller then
     launches through ``run``)."""
 
-    def __init__(self, compiled, c_launch, metas: list, n_desc: int, num_warps: int, device: torch.device) -> None:
+    def __init__(self, compiled, c_launch, metas: list, num_warps: int, device: torch.device) -> None:
         from triton.backends.nvidia import driver
 
         self._encode = driver.make_tensordesc_arg
-        self.c_launch, self.metas, self.n_desc, self.num_warps = c_launch, metas, n_desc, num_warps
+        self.c_launch, self.metas, self.num_warps = c_launch, metas, num_warps
         run = compiled.run
         self.head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
                      compiled.packed_metadata, None, None, None)
@@ -182,6 +182,6 @@ def fast_launcher(compiled, n_desc: int, num_warps: int, device: torch.device) -
         ok = (isinstance(run, driver.CudaLauncher) and set(indices) == set(range(n_desc)) and metas
               and all(isinstance(m, dict) for m in metas) and not run.global_scratch_size
               and not run.profile_scratch_size and callable(getattr(driver, "make_tensordesc_arg", None)))
-        return FastLauncher(compiled, c_launch, list(metas), n_desc, num_warps, device) if ok else None
+        return FastLauncher(compiled, c_launch, list(metas), num_warps, device) if ok else None
     except Exception:  # noqa: BLE001 - another triton: launch through run()
         return None
