@@ -111,11 +111,15 @@ spin_exchange: bool = Config(default=_env_bool("FUSENORM_SPIN_EXCHANGE", True))
 
 class tuning:
     """Per-shape measurements on the GPU (ops/measure.py): which kernel configuration runs, and whether a match
-    is fused at all (ops/tuning.py: only when the fused kernel beats cuBLAS + a copy-speed norm there)."""
+    is fused at all (ops/tuning.py: only when the fused kernel beats Inductor's own code for the subgraph there)."""
 
     # Measure on CUDA (once per shape, cached on disk). Off: every match is fused with the kernels' first
     # candidate configuration (the tests do this, so that small shapes are fused and checked).
     measure: bool = Config(default=_env_bool("FUSENORM_TUNE", True))
+    # Time the unfused side of the forward decisions as Inductor's own compiled code for the matched
+    # subgraph (ops/baseline.py: one small Inductor compile per shape, cached with the measurements). Off:
+    # estimate it as cuBLAS + a norm at copy speed (no nested compile).
+    measure_inductor: bool = Config(default=_env_bool("FUSENORM_TUNE_INDUCTOR", True))
     # Where measurements are kept across processes; None = ~/.cache/fusenorm.
     cache_dir = Config(default=_env_str("FUSENORM_CACHE_DIR"), value_type=str)
     # Fuse only when the fused time is below the unfused estimate by this fraction. The estimate (cuBLAS +

@@ -84,7 +84,11 @@ class FusenormPass(CustomGraphPass):
         return f"FusenormPass({self.stage!r})"
 
     def __call__(self, graph: fx.Graph) -> None:
+        from .ops.baseline import in_baseline_compile
         from .patterns import run_stage
+
+        if in_baseline_compile():  # the decision's own compile of an unfused subgraph: plain Inductor's
+            return
 
         rep = report.for_stage(self.stage)
         dumps_before = _debug_aid(lambda: _render_parts(graph, self.stage), "graph dump") if config.debug_dir else None

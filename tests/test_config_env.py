@@ -31,6 +31,7 @@ BOOL_OPTIONS = {
     "gluon": ("FUSENORM_GLUON", True),
     "spin_exchange": ("FUSENORM_SPIN_EXCHANGE", True),
     "tuning.measure": ("FUSENORM_TUNE", True),
+    "tuning.measure_inductor": ("FUSENORM_TUNE_INDUCTOR", True),
     "fallback_on_error": ("FUSENORM_FALLBACK_ON_ERROR", True),
 }
 STR_OPTIONS = ["debug_dir", "tuning.cache_dir"]

@@ -359,16 +359,24 @@ def copy_bandwidth_gbps(device: torch.device) -> float:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def make_entry(best, times: dict, t_unfused: Optional[float], h_fused_us: Optional[float] = None) -> dict:
-    """A cache entry: the fastest candidate, every candidate's time, the unfused estimate, and the fused
-    call's host time (``fused_host_us``; None when not measured)."""
-    return {
+def make_entry(best, times: dict, t_unfused: Optional[float], h_fused_us: Optional[float] = None,
+               inductor: Optional[tuple] = None) -> dict:
+    """A cache entry: the fastest candidate, every candidate's time, the unfused time, and the fused call's
+    host time (``fused_host_us``; None when not measured). ``inductor``: (ms, host us) of Inductor's own code
+    for the unfused subgraph (ops/baseline.py); when given it is the unfused time ("unfused_by": "inductor"),
+    else ``t_unfused`` is the estimate (cuBLAS + a norm at copy speed)."""
+    entry = {
         "config": list(best),
         "t_fused_ms": times[best],
         "t_unfused_ms": t_unfused,
         "candidates": {c.label(): t for c, t in times.items()},
         "h_fused_us": h_fused_us,
+        "unfused_by": "estimate",
     }
+    if inductor is not None:
+        entry.update(t_unfused_ms=inductor[0], h_unfused_us=inductor[1], unfused_by="inductor",
+                     t_unfused_estimate_ms=t_unfused)
+    return entry
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import config as settings  # "config" names the GemmConfig arguments here
-from . import measure
+from . import baseline, measure
 from ._triton_common import (
     FINALIZE_WARPS,
     TMA_MAX_BLOCK_N,
@@ -739,8 +739,9 @@ def forward_out_bytes(a, residual, out_dtype, save_normed) -> int:
 
 
 def measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed) -> dict:
-    """Every candidate timed on random inputs like the (possibly fake) arguments, and the unfused estimate:
-    cuBLAS's GEMM plus Inductor's norm at copy speed (it reads h, and the residual, and writes y)."""
+    """Every candidate timed on random inputs like the (possibly fake) arguments, and the unfused side:
+    Inductor's own code for the subgraph (ops/baseline.py), and the estimate (cuBLAS's GEMM plus a norm at
+    copy speed: it reads h, and the residual, and writes y) that stands in where that cannot be measured."""
     with measure.RealInputs():
         ra, rb, *args = measure.real_gemm_operands(a, b, bias, residual, weight, norm_bias)
         out_bytes = forward_out_bytes(ra, residual, out_dtype, save_normed)
@@ -755,7 +756,11 @@ def measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dt
         full = lambda: mm_norm_triton(ra, rb, *args, eps, is_rms, out_dtype, save_normed, config=best,  # noqa: E731
                                       plan_out=made)
         h = measure.fused_host_us(lambda: made[0](ra, rb, *args, eps) if made else full())
-    return measure.make_entry(best, times, measure.plus(t_mm, t_norm), h)
+        ind = None
+        if baseline.enabled(a.device):
+            ind = baseline.time_compiled(*baseline.post_norm_fn(ra, rb, *args, eps, is_rms, out_dtype),
+                                         "linear + norm")
+    return measure.make_entry(best, times, measure.plus(t_mm, t_norm), h, ind)
 
 
 def forward_config(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed):

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import measure
+from . import baseline, measure
 from ._triton_common import (
     TMA_MAX_BLOCK_N,
     GemmConfig,
@@ -547,8 +547,9 @@ def unfused_norm_ms(a: Tensor) -> Optional[float]:
 
 
 def measure_prenorm(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype) -> dict:
-    """Every candidate timed on random inputs like the (possibly fake) arguments, and the unfused estimate:
-    the norm at copy speed plus cuBLAS's GEMM."""
+    """Every candidate timed on random inputs like the (possibly fake) arguments, and the unfused side:
+    Inductor's own code for the subgraph (ops/baseline.py), else the estimate (the norm at copy speed plus
+    cuBLAS's GEMM)."""
     with measure.RealInputs():
         ra, rb, rbias, rw, rnb = measure.real_gemm_operands(a, b, bias, weight, norm_bias)
         best, times = measure.time_candidates(
@@ -557,7 +558,11 @@ def measure_prenorm(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype) -> di
         )
         t_mm = measure.gemm_ms(ra, rb, rbias)
         h = measure.fused_host_us(lambda: norm_mm_triton(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype, config=best))
-    return measure.make_entry(best, times, measure.plus(t_mm, unfused_norm_ms(a)), h)
+        ind = None
+        if baseline.enabled(a.device):
+            ind = baseline.time_compiled(*baseline.pre_norm_fn(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype),
+                                         "norm + linear")
+    return measure.make_entry(best, times, measure.plus(t_mm, unfused_norm_ms(a)), h, ind)
 
 
 def prenorm_config(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype):

@@ -2,11 +2,14 @@
 
 ``forward_choice`` / ``backward_choice`` / ``prenorm_choice`` (called by the patterns at compile time, on
 the traced graph's fake tensors) take the best fused time of the kernels' candidates against the unfused
-path's time, estimated as cuBLAS's GEMM plus a norm at copy speed (Inductor's norm kernels run at the copy
-bandwidth: docs/baselines-h200.md), so the estimate is what plain Inductor does. Unless the graph will run
+path's time. For the forward fusions that is Inductor's own compiled code for the matched subgraph, timed on
+the same inputs (ops/baseline.py); for the regrouped backward, and where that compile fails or
+``config.tuning.measure_inductor`` is off, it is estimated as cuBLAS's GEMM plus a norm at copy speed
+(Inductor's norm kernels run at the copy bandwidth: docs/baselines-h200.md). Unless the graph will run
 under CUDA graphs, each side takes at least ``config.tuning.host_weight`` times its host time per call (the
-fused op as a compiled graph calls it, against cuBLAS's call plus one Triton launch: ``measure.fused_host_us``
-/ ``unfused_host_us``): without CUDA graphs a kernel shorter than its launch waits for the CPU. Fusion is kept only when it
+fused op as a compiled graph calls it, against Inductor's compiled subgraph's call, or cuBLAS's call plus
+one Triton launch for the estimate: ``measure.fused_host_us`` / ``unfused_host_us``): without CUDA graphs a
+kernel shorter than its launch waits for the CPU. Fusion is kept only when it
 is faster by ``config.tuning.margin`` (``margin_gluon`` where the measured kernel is a Gluon one);
 otherwise the match report names the measured times and Inductor compiles the graph as it would without
 fusenorm. The measurements are the kernels' own (``measure_forward`` in mm_norm_kernels.py, ...), kept in
@@ -136,7 +139,13 @@ def _choice(key, device, measure_fn: Callable[[], dict], default_label: Callable
     host = ""
     h_f, weight = entry.get("h_fused_us"), config.tuning.host_weight
     use_host = isinstance(h_f, (int, float)) and weight > 0 and not _under_cuda_graphs()
-    h_u = measure.unfused_host_us(device) if use_host else None
+    inductor = entry.get("unfused_by") == "inductor"
+    if inductor:
+        what = "Inductor's compiled unfused subgraph"
+    h_u = None
+    if use_host:
+        h_u = entry.get("h_unfused_us") if inductor else None
+        h_u = h_u if isinstance(h_u, (int, float)) else measure.unfused_host_us(device)
     if h_u is not None:
         # Without CUDA graphs a call takes at least its host time (weighted: config.tuning.host_weight): a
         # kernel shorter than that waits for the CPU.

@@ -1,0 +1,135 @@
+"""The unfused side of the fuse decision, measured as the user would run it: the matched subgraph written as
+plain torch ops, compiled by Inductor (``compile_fx``; fusenorm's passes stand aside: ``in_baseline_compile``) and timed on the same
+random inputs as the fused kernels (the way Inductor's pad_mm times both sides of its own decision).
+
+Inductor compiles the subgraph as it compiles the user's: cuBLAS for the GEMM (addmm where it folds the bias
+in) and one generated Triton kernel for the bias/residual add and the norm. Its GPU time (CUDA graphs) and
+its host time per call (the compiled wrapper's, without CUDA graphs) both go into the decision.
+
+The compile runs in a worker thread: the outer compile's fake mode, tracing context and Inductor's
+virtualized graph are thread-local, so the nested compile sees none of them, and the outer one waits for it.
+When it fails (any exception), ``time_compiled`` warns once per reason and returns None: the decision then
+falls back to the estimate (cuBLAS + a norm at copy speed, ops/measure.py) and its reason says so.
+``config.tuning.measure_inductor`` off uses the estimate without compiling (a first compile is shorter).
+
+Only the forward decisions (post-norm, pre-norm) use it; the regrouped backward's unfused side is still the
+estimate (its unfused graph is the joint graph's norm backward, which has no one-line torch form here).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import config
+from . import measure
+
+__all__ = ["compile_unfused", "in_baseline_compile", "post_norm_fn", "pre_norm_fn", "time_compiled"]
+
+
+def _norm(h: Tensor, weight, norm_bias, eps: float, is_rms: bool) -> Tensor:
+    """The norm as a user's model writes it (torch's functional forms, which Inductor decomposes), in h's
+    dtype: the fused ops take norm parameters of any float dtype (fp32 with bf16 activations, say), which
+    torch's norms refuse to mix; a parameter vector's dtype does not change what the norm costs."""
+    n = (h.shape[-1],)
+    weight = weight.to(h.dtype) if weight is not None else None
+    norm_bias = norm_bias.to(h.dtype) if norm_bias is not None else None
+    if is_rms:
+        return F.rms_norm(h, n, weight, eps)
+    return F.layer_norm(h, n, weight, norm_bias, eps)
+
+
+def post_norm_fn(a, b, bias, residual, weight, norm_bias, eps: float, is_rms: bool, out_dtype):
+    """(fn, inputs): the unfused ``norm(a @ b + bias + residual)`` over the present tensors only (Inductor's
+    compiled callables take tensors, not None)."""
+    names = ("a", "b", "bias", "residual", "weight", "norm_bias")
+    given = dict(zip(names, (a, b, bias, residual, weight, norm_bias)))
+    present = [k for k in names if given[k] is not None]
+
+    def fn(*ts):
+        t = dict(zip(present, ts))
+        h = torch.addmm(t["bias"], t["a"], t["b"]) if "bias" in t else t["a"] @ t["b"]
+        if "residual" in t:
+            h = h + t["residual"]
+        return _norm(h, t.get("weight"), t.get("norm_bias"), eps, is_rms).to(out_dtype or t["a"].dtype)
+
+    return fn, [given[k] for k in present]
+
+
+def pre_norm_fn(a, b, bias, weight, norm_bias, eps: float, is_rms: bool, out_dtype):
+    """(fn, inputs): the unfused ``norm(a) @ b + bias`` over the present tensors only."""
+    names = ("a", "b", "bias", "weight", "norm_bias")
+    given = dict(zip(names, (a, b, bias, weight, norm_bias)))
+    present = [k for k in names if given[k] is not None]
+
+    def fn(*ts):
+        t = dict(zip(present, ts))
+        x = _norm(t["a"], t.get("weight"), t.get("norm_bias"), eps, is_rms)
+        y = torch.addmm(t["bias"], x, t["b"]) if "bias" in t else x @ t["b"]
+        return y.to(out_dtype or t["a"].dtype)
+
+    return fn, [given[k] for k in present]
+
+
+_local = threading.local()
+
+
+def in_baseline_compile() -> bool:
+    """Whether this thread is compiling a baseline: fusenorm's passes then leave the graph alone, so the
+    nested compile is plain Inductor's (a user's own passes still run: they are part of what the user runs)."""
+    return getattr(_local, "on", False)
+
+
+def compile_unfused(fn: Callable, inputs: list) -> Callable:
+    """fn traced to an aten graph and compiled by Inductor for these (real) inputs, as plain Inductor would
+    (no CUDA graphs: the timer captures its own), with fusenorm's passes standing aside. Runs in the calling
+thread; ``time_compiled`` runs it in a worker thread to keep it apart from an outer compile."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    was, _local.on = in_baseline_compile(), True
+    try:
+        with torch.no_grad():
+            gm = make_fx(fn)(*inputs)
+            with inductor_config.patch({"triton.cudagraphs": False}):
+                return compile_fx(gm, list(inputs))
+    finally:
+        _local.on = was
+
+
+def time_compiled(fn: Callable, inputs: list, what: str) -> Optional[tuple[float, Optional[float]]]:
+    """(GPU ms under CUDA graphs, host us per call) of Inductor's code for fn on real CUDA ``inputs``; None
+    (warned once per reason) when it cannot be compiled or run. ``what`` names the subgraph in the warning."""
+    device = inputs[0].device
+
+    def work():
+        torch.cuda.set_device(device)
+        with torch.no_grad():
+            compiled = compile_unfused(fn, inputs)
+            call = lambda: compiled(*inputs)  # noqa: E731
+            ms = measure.time_ms(call)
+            return ms, (measure.host_us(call) if ms < float("inf") else None)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fusenorm-baseline") as pool:
+            ms, us = pool.submit(work).result()
+    except Exception as e:  # noqa: BLE001 - the estimate stands in; the warning says why
+        err = measure.first_line(e)
+        measure.warn_once(("baseline", err), f"could not compile and time Inductor's code for the unfused {what} "
+                                             f"({err}); the decision estimates it (cuBLAS + a norm at copy speed)")
+        return None
+    if not ms < float("inf"):
+        measure.warn_once(("baseline", "run"), f"Inductor's code for the unfused {what} failed to run; the "
+                                               f"decision estimates it (cuBLAS + a norm at copy speed)")
+        return None
+    return ms, us
+
+
+def enabled(device: torch.device) -> bool:
+    return device.type == "cuda" and bool(config.tuning.measure_inductor)

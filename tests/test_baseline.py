@@ -1,0 +1,163 @@
+"""The decision's unfused side as Inductor compiles it (ops/baseline.py): the subgraphs it compiles compute what
+the fused ops compute, fusenorm's passes stand aside in that compile, a compile that fails falls back to the
+estimate with one warning, and the decision uses the measured Inductor time and host time when it has them."""
+
+import warnings
+
+import pytest
+import torch
+
+from fusenorm_inductor import config, passes
+from fusenorm_inductor.ops import baseline, measure, tuning
+from fusenorm_inductor.ops.mm_norm import mm_norm_reference
+from fusenorm_inductor.ops.norm_mm import norm_mm_reference
+
+from .test_contract import fusenorm_ops_run
+
+
+def _rand(*shape, gen):
+    return torch.randn(*shape, generator=gen)
+
+
+@pytest.mark.parametrize("is_rms,with_bias,with_res,affine", [(False, True, True, True), (True, False, False, True),
+                                                              (False, False, True, False)],
+                         ids=["ln-bias-res-affine", "rms", "ln-res-noaffine"])
+def test_post_norm_subgraph_matches_reference(is_rms, with_bias, with_res, affine):
+    gen = torch.Generator().manual_seed(1)
+    m, k, n = 37, 24, 40
+    a, b = _rand(m, k, gen=gen), _rand(k, n, gen=gen) * k ** -0.5
+    bias = _rand(n, gen=gen) if with_bias else None
+    res = _rand(m, n, gen=gen) if with_res else None
+    w = _rand(n, gen=gen) if affine else None
+    nb = _rand(n, gen=gen) if affine and not is_rms else None
+    fn, inputs = baseline.post_norm_fn(a, b, bias, res, w, nb, 1e-5, is_rms, None)
+    assert all(t is not None for t in inputs)
+    got = baseline.compile_unfused(fn, inputs)(*inputs)
+    got = got[0] if isinstance(got, (tuple, list)) else got
+    want = mm_norm_reference(a, b, bias, res, w, nb, 1e-5, is_rms)[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("is_rms,with_bias,affine", [(False, True, True), (True, False, False)],
+                         ids=["ln-bias-affine", "rms-noaffine"])
+def test_pre_norm_subgraph_matches_reference(is_rms, with_bias, affine):
+    gen = torch.Generator().manual_seed(2)
+    m, k, n = 41, 40, 24
+    a, b = _rand(m, k, gen=gen) * 3 + 1, _rand(k, n, gen=gen) * k ** -0.5
+    bias = _rand(n, gen=gen) if with_bias else None
+    w = _rand(k, gen=gen) if affine else None
+    nb = _rand(k, gen=gen) if affine and not is_rms else None
+    fn, inputs = baseline.pre_norm_fn(a, b, bias, w, nb, 1e-6, is_rms, None)
+    got = baseline.compile_unfused(fn, inputs)(*inputs)
+    got = got[0] if isinstance(got, (tuple, list)) else got
+    want = norm_mm_reference(a, b, bias, w, nb, 1e-6, is_rms)[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_fusenorm_passes_stand_aside_in_the_baseline_compile(monkeypatch):
+    """With fusenorm's passes installed in Inductor's config (as during a fusenorm compile), the baseline's
+    compile of linear -> LayerNorm never runs them (they would see its graph otherwise) and no fusenorm op
+    runs in the compiled code."""
+    import fusenorm_inductor.patterns as patterns
+
+    gen = torch.Generator().manual_seed(3)
+    a, b, w = _rand(33, 16, gen=gen), _rand(16, 24, gen=gen), _rand(24, gen=gen)
+    fn, inputs = baseline.post_norm_fn(a, b, None, None, w, None, 1e-5, False, None)
+    stages = []
+    monkeypatch.setattr(patterns, "run_stage", lambda stage, graph, rep: stages.append(stage))
+    passes.install()
+    try:
+        with config.patch({"tuning.measure": False}):
+            compiled = baseline.compile_unfused(fn, inputs)
+    finally:
+        passes.uninstall()
+    assert stages == []
+    assert not baseline.in_baseline_compile()  # the flag is this compile's only
+    assert fusenorm_ops_run(lambda: compiled(*inputs)) == set()
+
+
+def test_a_failing_baseline_falls_back_to_the_estimate_with_one_warning():
+    """On inputs it cannot time (CPU tensors: there is no CUDA device to time on) ``time_compiled`` returns None
+    and warns once, naming what it could not compile; the second failure for the same reason is quiet."""
+    measure.clear_memory()
+    x = torch.randn(8, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert baseline.time_compiled(lambda t: t * 2, [x], "linear + norm") is None
+        assert baseline.time_compiled(lambda t: t * 2, [x], "linear + norm") is None
+    msgs = [str(w.message) for w in caught if "unfused linear + norm" in str(w.message)]
+    assert len(msgs) == 1 and "estimates it" in msgs[0], msgs
+    measure.clear_memory()
+
+
+def test_enabled_only_on_cuda_and_by_config():
+    assert not baseline.enabled(torch.device("cpu"))
+    with config.patch({"tuning.measure_inductor": True}):
+        assert baseline.enabled(torch.device("cuda"))
+    with config.patch({"tuning.measure_inductor": False}):
+        assert not baseline.enabled(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("by", ["inductor", "estimate"])
+def test_decision_uses_inductors_time_and_host_time(monkeypatch, by):
+    """An entry measured against Inductor's compiled subgraph carries that subgraph's host time: the decision
+    weighs it (not cuBLAS + one launch) and names what it compared against. 0.05 ms fused with 45 us of host time
+    against 0.1 ms unfused: with Inductor's 60 us host time the fused side wins (0.09 < 0.12 * 0.85); with the
+    estimate's 27 us it does not (0.09 vs 0.1)."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(measure, "can_measure", lambda device: True)
+    monkeypatch.setattr(measure, "lookup", lambda key: None)
+    monkeypatch.setattr(measure, "store", lambda key, entry: None)
+    monkeypatch.setattr(measure, "unfused_host_us", lambda device: 27.0)
+    from fusenorm_inductor.ops._triton_common import GemmConfig
+
+    cfg = GemmConfig("gl_coop", 128, 128, 64, 4, 4)
+    entry = measure.make_entry(cfg, {cfg: 0.05}, 0.1, 45.0, (0.1, 60.0) if by == "inductor" else None)
+    with config.patch({"tuning.host_weight": 2.0}), inductor_config.patch({"triton.cudagraphs": False}):
+        choice = tuning._choice(("k",), torch.device("cuda"), lambda: entry, lambda: "first")
+    if by == "inductor":
+        assert choice.fuse, choice
+        assert "Inductor's compiled unfused subgraph" in choice.reason and "vs 60 us unfused" in choice.reason
+    else:
+        assert not choice.fuse, choice
+        assert "norm at copy speed" in choice.reason and "vs 27 us unfused" in choice.reason
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+def test_decision_measures_inductors_code_inside_a_fusenorm_compile(tmp_path):
+    """On the GPU, with measuring on and an empty tuning cache, compiling linear -> LayerNorm with fusenorm
+    times Inductor's own code for the subgraph from inside the outer compile: the report's reason names it,
+    the cached entry holds its GPU and host times next to the estimate, and the output (fused or not) matches
+    an fp32 reference."""
+    import torch.nn as nn
+
+    import fusenorm_inductor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 128), nn.LayerNorm(128)).cuda().to(torch.bfloat16)
+    x = torch.randn(8192, 256, device="cuda", dtype=torch.bfloat16)
+    measure.clear_memory()
+    try:
+        with config.patch({"tuning.measure": True, "tuning.measure_inductor": True, "tuning.cache_dir": str(tmp_path),
+                           "tuning.rep_ms": 5.0}), torch.no_grad():
+            torch._dynamo.reset()
+            fusenorm_inductor.report.clear()
+            y = torch.compile(model, backend="fusenorm", dynamic=False)(x)
+        reps = fusenorm_inductor.report.reports()
+        entries = [e for e in measure._memo.values() if isinstance(e, dict) and "unfused_by" in e]
+    finally:
+        measure.clear_memory()
+        torch._dynamo.reset()
+    reasons = [r.detail for rep in reps for r in rep.rewrites] + [s.reason for rep in reps for s in rep.skips]
+    assert any("Inductor's compiled unfused subgraph" in r for r in reasons), reasons
+    assert entries and all(e["unfused_by"] == "inductor" for e in entries), entries
+    for e in entries:
+        assert 0 < e["t_unfused_ms"] < float("inf") and e["h_unfused_us"] > 0 and e["t_unfused_estimate_ms"] > 0, e
+    with torch.no_grad():
+        want = nn.functional.layer_norm(x.float() @ model[0].weight.float().t() + model[0].bias.float(), (128,),
+                                        model[1].weight.float(), model[1].bias.float())
+    torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
