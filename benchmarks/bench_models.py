@@ -145,8 +145,9 @@ def retime_reversed(row: dict, make_model, batches, loss_fn, lr: float, args, de
     yardstick for "slower than Inductor beyond noise". First-step time: ``first_step_ratio`` compares the
     reversed-order runs, where both backends find Triton's kernel cache warm, with fusenorm's in-process
     measurements forgotten and a fresh tuning cache directory, so its decisions' measurements (and their
-    nested Inductor compiles) are included; ``first_step_ratio_cold`` is the training runs' (fusenorm first,
-    colder caches)."""
+    nested Inductor compiles) are included, and ``first_step_measure_s`` says where they spent it
+    (``measure.spent_seconds``); ``first_step_ratio_cold`` is the training runs' (fusenorm first, colder
+    caches)."""
     if args.no_reverse:
         return
     import tempfile
@@ -154,12 +155,16 @@ def retime_reversed(row: dict, make_model, batches, loss_fn, lr: float, args, de
     from fusenorm_inductor import config as fn_config
     from fusenorm_inductor.ops import measure
 
-    again = {}
+    again, spent = {}, {}
     for backend in ("inductor", "fusenorm", "inductor_aa"):
         measure.clear_memory()
+        before = measure.spent_seconds()
         with tempfile.TemporaryDirectory() as d, fn_config.patch({"tuning.cache_dir": d}):
             again[backend] = timing_run(make_model, backend.removesuffix("_aa"), batches, loss_fn, lr, args, device,
                                         dtype)
+        if backend == "fusenorm":  # what its decisions' measurements cost the first step, by part
+            after = measure.spent_seconds()
+            spent = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) > 0}
     for backend in ("inductor", "fusenorm"):
         first = row[f"t_{backend}_ms"]
         row[f"t_{backend}_orders_ms"] = {"fusenorm first": first, "inductor first": again[backend]["median_ms"]}
@@ -170,12 +175,13 @@ def retime_reversed(row: dict, make_model, batches, loss_fn, lr: float, args, de
     row.update(t_inductor_aa_ms=again["inductor_aa"]["median_ms"], aa_inductor=aa, noise=abs(1.0 - aa),
                first_step_warm_s={"fusenorm": first_fn, "inductor": first_ind,
                                   "inductor_aa": again["inductor_aa"]["first_step_s"]},
-               first_step_ratio=first_fn / first_ind if first_ind > 0 else None,
+               first_step_ratio=first_fn / first_ind if first_ind > 0 else None, first_step_measure_s=spent,
                first_step_ratio_cold=(row["first_step_fusenorm_s"] / row["first_step_inductor_s"]
                                       if row["first_step_inductor_s"] > 0 else None))
     log(f"  reversed order: inductor {again['inductor']['median_ms']:.3f} ms, fusenorm "
         f"{again['fusenorm']['median_ms']:.3f} ms; means {row['t_inductor_ms']:.3f} / {row['t_fusenorm_ms']:.3f} "
-        f"ms; A/A {aa:.3f}; first step {first_fn:.1f} s vs {first_ind:.1f} s")
+        f"ms; A/A {aa:.3f}; first step {first_fn:.1f} s vs {first_ind:.1f} s (measuring: "
+        f"{', '.join(f'{k} {v:.1f} s' for k, v in spent.items()) or 'none'})")
 
 
 def judge(row: dict) -> None:

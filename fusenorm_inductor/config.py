@@ -138,8 +138,10 @@ class tuning:
     # kernel measured 42% faster than Inductor's pair ran no faster there, and one 19% faster ran 8% slower
     # (benchmarks/results/host_cost_h200.json). 0 ignores host times.
     host_weight: float = 2.0
-    # Milliseconds of CUDA-graph replays per timed candidate.
-    rep_ms: float = 25.0
+    # Milliseconds per CUDA-graph replay of a timed candidate (triton's do_bench_cudagraph replays 10 times,
+    # so a candidate costs the first compile ~10x this): short, since the decisions only need the medians'
+    # spread well inside the margins above.
+    rep_ms: float = 10.0
 
 
 # When a pass raises, log a warning and leave the graph to plain Inductor (the graph is restored from a

@@ -13,7 +13,7 @@ import torch
 
 from fusenorm_inductor import config
 from fusenorm_inductor.ops import _triton_common as common
-from fusenorm_inductor.ops import measure, mm_norm_kernels, norm_mm_kernels, tuning
+from fusenorm_inductor.ops import baseline, measure, mm_norm_kernels, norm_mm_kernels, tuning
 from fusenorm_inductor.ops import mm_norm_kernels as fk
 
 
@@ -150,6 +150,7 @@ def test_prenorm_measurement_plumbing(monkeypatch):
     monkeypatch.setattr(measure, "can_measure", lambda device: True)
     monkeypatch.setattr(measure, "time_ms", fake_time)
     monkeypatch.setattr(measure, "norm_proxy_ms", lambda *a: 0.5)  # unfused = 1.0 + 0.5
+    monkeypatch.setattr(baseline, "enabled", lambda device: False)  # the estimate's plumbing (test_baseline.py)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     a, w = (torch.randn(65, 40, dtype=torch.float16, device=dev), torch.randn(24, 40, dtype=torch.float16, device=dev))
     args = (a, w.t(), None, torch.ones(40, device=dev), None, 1e-5, False, torch.float16)

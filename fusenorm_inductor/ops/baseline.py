@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -111,7 +112,11 @@ def time_compiled(fn: Callable, inputs: list, what: str) -> Optional[tuple[float
     def work():
         torch.cuda.set_device(device)
         with torch.no_grad():
-            compiled = compile_unfused(fn, inputs)
+            t0 = time.perf_counter()
+            try:
+                compiled = compile_unfused(fn, inputs)
+            finally:
+                measure.add_spent("inductor_compile", time.perf_counter() - t0)
             call = lambda: compiled(*inputs)  # noqa: E731
             ms = measure.time_ms(call)
             return ms, (measure.host_us(call) if ms < float("inf") else None)

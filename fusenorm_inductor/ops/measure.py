@@ -55,6 +55,20 @@ _warned: set[tuple] = set()  # what was warned about already (a cache file, a ca
 
 
 _generation = [0]  # bumped whenever an entry is stored or forgotten: launch plans made before are stale
+# Wall seconds this process spent measuring, by part (what a first compile pays for the decisions; the model
+# benchmark reports it next to the first step's time): "first_call" (each timed function's first call, which
+# compiles a kernel), "timing" (CUDA-graph replays), "host" (host-time loops), "inductor_compile" (the
+# baselines' nested compiles, ops/baseline.py). Never reset by ``clear_memory``; ``spent_seconds`` reads it.
+_spent: dict[str, float] = {}
+
+
+def spent_seconds() -> dict[str, float]:
+    """A copy of the seconds spent measuring so far in this process, by part (see ``_spent``)."""
+    return dict(_spent)
+
+
+def add_spent(part: str, seconds: float) -> None:
+    _spent[part] = _spent.get(part, 0.0) + seconds
 
 
 def clear_memory() -> None:
@@ -234,13 +248,20 @@ def time_ms(fn: Callable[[], object]) -> float:
     overlaps with earlier kernels); inf when fn fails (e.g. a config that does not fit shared memory)."""
     from triton.testing import do_bench_cudagraph
 
+    t0 = time.perf_counter()
+    part = "first_call"
     try:
         fn()
         torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        add_spent(part, t1 - t0)
+        t0, part = t1, "timing"
         return float(do_bench_cudagraph(fn, rep=config.tuning.rep_ms, return_mode="median"))
     except Exception:  # noqa: BLE001 - a failing candidate is simply not chosen
         torch.cuda.synchronize()
         return float("inf")
+    finally:
+        add_spent(part, time.perf_counter() - t0)
 
 
 class RealInputs:
@@ -387,6 +408,7 @@ def make_entry(best, times: dict, t_unfused: Optional[float], h_fused_us: Option
 def host_us(fn: Callable[[], object], calls: int = 20, repeats: int = 5) -> Optional[float]:
     """Host time per call of fn: the wall time of back-to-back calls without a sync (the launches queue up
     on the GPU, so the loop runs at the CPU's pace), the least of ``repeats`` loops; None when fn fails."""
+    start = time.perf_counter()
     try:
         fn()
         torch.cuda.synchronize()
@@ -400,6 +422,8 @@ def host_us(fn: Callable[[], object], calls: int = 20, repeats: int = 5) -> Opti
         return best
     except Exception:  # noqa: BLE001 - a host time is advice: without it the decision uses GPU times only
         return None
+    finally:
+        add_spent("host", time.perf_counter() - start)
 
 
 @torch.library.custom_op("fusenorm::host_probe", mutates_args=())
