@@ -211,4 +211,4 @@ def prenorm_decision(a2: torch.Tensor, consumers: list[tuple], weight, norm_bias
         what += f" + {n_wgrads} rebuild(s) of norm(x) for the weight gradients"
     # The format of tuning._choice's reasons: "(measured <fused> ms fused [what] vs <unfused> ms ...)".
     return choices, (f"left unfused: fusion would not win (measured {t_fused:.4g} ms fused [{what}] vs "
-                     f"{t_unfused:.4g} ms for one norm at copy speed + the cuBLAS GEMMs)")
+                     f"{t_unfused:.4g} ms unfused: one norm + the GEMMs)")

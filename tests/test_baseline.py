@@ -161,3 +161,26 @@ def test_decision_measures_inductors_code_inside_a_fusenorm_compile(tmp_path):
         want = nn.functional.layer_norm(x.float() @ model[0].weight.float().t() + model[0].bias.float(), (128,),
                                         model[1].weight.float(), model[1].bias.float())
     torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("t_fused,h_fused,cudagraphs,want", [
+    (0.85, 10.0, False, True),    # on the line (0.85 x 1.0): Inductor's code decides
+    (0.60, 10.0, False, False),   # a clear win against the estimate
+    (1.20, 10.0, False, False),   # a clear loss
+    (0.30, 400.0, False, True),   # host-bound fused call: the unfused side's host time decides
+    (0.30, 400.0, True, False),   # ... unless host time does not count (CUDA graphs)
+    (float("inf"), 10.0, False, False),  # nothing to compare
+])
+def test_worth_measuring_only_where_it_can_turn_the_decision(monkeypatch, t_fused, h_fused, cudagraphs, want):
+    """Inductor's code is compiled only where it can change the verdict: near the margin's line (estimate 1 ms,
+    Gluon margin 0.15) or where host time decides; elsewhere the estimate decides and no nested compile runs."""
+    import torch._inductor.config as inductor_config
+
+    with config.patch({"tuning.measure_inductor": True, "tuning.margin_gluon": 0.15, "tuning.host_weight": 2.0}), \
+            inductor_config.patch({"triton.cudagraphs": cudagraphs}):
+        got = baseline.worth_measuring(torch.device("cuda"), t_fused, h_fused, 1.0, "gl_coop 128x128x64 s4 w4")
+        assert got is want
+        assert baseline.worth_measuring(torch.device("cuda"), 0.5, h_fused, None, "gl_coop")  # no estimate
+    with config.patch({"tuning.measure_inductor": False}):
+        assert not baseline.worth_measuring(torch.device("cuda"), 0.85, 10.0, 1.0, "gl_coop")
+    assert not baseline.worth_measuring(torch.device("cpu"), 0.85, 10.0, 1.0, "gl_coop")

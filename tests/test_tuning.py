@@ -273,3 +273,35 @@ def test_no_import_circle_between_decision_and_kernels():
         names = imported(path)
         assert not any(n == "tuning" or n.endswith(".tuning") for n in names), (path.name, names)
     assert not any(n.endswith("_kernels") for n in imported(ops_dir / "measure.py"))
+
+
+def test_measuring_time_is_accounted(monkeypatch):
+    """Every timed call and host-time loop adds its wall time to ``measure.spent_seconds()`` by part, also when it
+    fails (here a function that raises), so the benchmark can say what the decisions cost a first compile."""
+    import time
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # runs on CPU-only torch too
+    before = measure.spent_seconds()
+
+    def slow():
+        time.sleep(0.02)
+        raise RuntimeError("not timeable")
+
+    assert measure.time_ms(slow) == float("inf")
+    assert measure.host_us(slow) is None
+    after = measure.spent_seconds()
+    for part in ("first_call", "host"):
+        assert after.get(part, 0.0) - before.get(part, 0.0) >= 0.015, (part, before, after)
+
+
+@pytest.mark.parametrize("first_ms,timed", [(2.5, 1), (1.5, 3)])
+def test_candidates_after_a_hopeless_first_are_not_timed(monkeypatch, first_ms, timed):
+    """A best guess over GIVE_UP (2x) the unfused estimate ends the timing (the others are left out); within it,
+    every candidate is timed and the fastest kept."""
+    times = iter([first_ms, 0.9, 1.2])
+    monkeypatch.setattr(measure, "time_ms", lambda fn: next(times))
+    best, got = measure.time_candidates(["c0", "c1", "c2"], lambda c: None, unfused_ms=1.0)
+    assert len(got) == timed and best == ("c0" if timed == 1 else "c1"), (best, got)
+    times = iter([first_ms, 0.9, 1.2])
+    best, got = measure.time_candidates(["c0", "c1", "c2"], lambda c: None)  # no estimate: all timed
+    assert len(got) == 3

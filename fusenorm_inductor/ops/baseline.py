@@ -138,3 +138,28 @@ def time_compiled(fn: Callable, inputs: list, what: str) -> Optional[tuple[float
 
 def enabled(device: torch.device) -> bool:
     return device.type == "cuda" and bool(config.tuning.measure_inductor)
+
+
+# Inductor's code for these subgraphs ran within 10% of the estimate's GPU time on every shape measured on the
+# H200 (docs/design.md); with twice that as slack, a fused time farther than this from the margin's line
+# decides the same against either, and the nested compile is not worth its seconds.
+BAND = 0.2
+
+
+def worth_measuring(device: torch.device, t_fused: float, h_fused_us: Optional[float], t_estimate: Optional[float],
+                    label: str) -> bool:
+    """Whether to compile and time Inductor's code for the unfused side: on CUDA, with
+    ``tuning.measure_inductor`` on, where the estimate is unknown, where the fused call is host-bound (then the
+    unfused side's host time decides, and only Inductor's compiled wrapper gives it: 44-95 us per call on the
+    H200 against the 27 us of a bare GEMM call and launch), or where the best fused time is within ``BAND`` of
+    the line the decision draws, (1 - margin) x the unfused time. Elsewhere the estimate decides (the entry
+    says so: "unfused_by": "estimate")."""
+    if not enabled(device) or not t_fused < float("inf"):
+        return False
+    if not t_estimate:
+        return True
+    if measure.host_counts() and h_fused_us and config.tuning.host_weight * h_fused_us / 1e3 >= t_fused:
+        return True
+    margin = config.tuning.margin_gluon if label.startswith("gl_") else config.tuning.margin
+    ratio = t_fused / (t_estimate * (1.0 - margin))
+    return 1.0 / (1.0 + BAND) <= ratio <= 1.0 + BAND

@@ -302,9 +302,21 @@ def real_gemm_operands(a: Tensor, b: Tensor, *others: Optional[Tensor]) -> list:
             *(RealInputs.like(t, dev) for t in others)]
 
 
-def time_candidates(candidates, run: Callable[[object], object]) -> tuple:
-    """(fastest, {candidate: ms}): each candidate configuration timed as ``run(candidate)``."""
-    times = {c: time_ms(lambda c=c: run(c)) for c in candidates}
+# A first candidate slower than this times the unfused estimate ends the timing: the others would have to be
+# ~2.4x faster than the kernels' best guess to win by the margin, and each one timed costs the first compile.
+GIVE_UP = 2.0
+
+
+def time_candidates(candidates, run: Callable[[object], object], unfused_ms: Optional[float] = None) -> tuple:
+    """(fastest, {candidate: ms}): each candidate configuration timed as ``run(candidate)``, best guess first;
+    when the first one takes over ``GIVE_UP`` x ``unfused_ms`` (the unfused estimate, when known) the rest
+    are not timed (they are left out of the times)."""
+    times = {}
+    for i, c in enumerate(candidates):
+        times[c] = time_ms(lambda c=c: run(c))
+        if i == 0 and unfused_ms and times[c] > GIVE_UP * unfused_ms and len(candidates) > 1:
+            add_spent("candidates_skipped", float(len(candidates) - 1))
+            break
     return min(times, key=times.get), times
 
 
@@ -403,6 +415,15 @@ def make_entry(best, times: dict, t_unfused: Optional[float], h_fused_us: Option
 # ----------------------------------------------------------------------------------------------------------
 # Host cost: what a call costs the CPU, which bounds a step that runs without CUDA graphs when kernels are short
 # ----------------------------------------------------------------------------------------------------------
+
+
+def host_counts() -> bool:
+    """Whether host time counts in the decision: the graph being compiled will not run under CUDA graphs
+    (``mode="reduce-overhead"`` pays a call's host time once, at capture, not per step) and
+    ``tuning.host_weight`` is not 0."""
+    import torch._inductor.config as inductor_config
+
+    return config.tuning.host_weight > 0 and not inductor_config.triton.cudagraphs
 
 
 def host_us(fn: Callable[[], object], calls: int = 20, repeats: int = 5) -> Optional[float]:

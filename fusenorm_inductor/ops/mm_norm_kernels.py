@@ -745,19 +745,20 @@ def measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dt
     with measure.RealInputs():
         ra, rb, *args = measure.real_gemm_operands(a, b, bias, residual, weight, norm_bias)
         out_bytes = forward_out_bytes(ra, residual, out_dtype, save_normed)
+        t_mm = measure.gemm_ms(ra, rb, args[0])
+        t_norm = measure.norm_proxy_ms(ra.shape[0], rb.shape[1], ra.dtype, 3 if residual is not None else 2, a.device)
         best, times = measure.time_candidates(
             forward_candidates(ra, rb, rb.shape[1], out_bytes, (*args, out_dtype, save_normed)),
             lambda c: mm_norm_triton(ra, rb, *args, eps, is_rms, out_dtype, save_normed, config=c),
+            measure.plus(t_mm, t_norm),
         )
-        t_mm = measure.gemm_ms(ra, rb, args[0])
-        t_norm = measure.norm_proxy_ms(ra.shape[0], rb.shape[1], ra.dtype, 3 if residual is not None else 2, a.device)
         # The host time of the call a compiled graph makes: the cached launch plan where the launcher makes one.
         made: list = []
         full = lambda: mm_norm_triton(ra, rb, *args, eps, is_rms, out_dtype, save_normed, config=best,  # noqa: E731
                                       plan_out=made)
         h = measure.fused_host_us(lambda: made[0](ra, rb, *args, eps) if made else full())
         ind = None
-        if baseline.enabled(a.device):
+        if baseline.worth_measuring(a.device, times[best], h, measure.plus(t_mm, t_norm), best.label()):
             ind = baseline.time_compiled(*baseline.post_norm_fn(ra, rb, *args, eps, is_rms, out_dtype),
                                          "linear + norm")
     return measure.make_entry(best, times, measure.plus(t_mm, t_norm), h, ind)

@@ -552,17 +552,19 @@ def measure_prenorm(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype) -> di
     cuBLAS's GEMM)."""
     with measure.RealInputs():
         ra, rb, rbias, rw, rnb = measure.real_gemm_operands(a, b, bias, weight, norm_bias)
+        t_mm = measure.gemm_ms(ra, rb, rbias)
+        t_est = measure.plus(t_mm, unfused_norm_ms(a))
         best, times = measure.time_candidates(
             prenorm_candidates(ra, rb, out_dtype or ra.dtype),
             lambda c: norm_mm_triton(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype, config=c),
+            t_est,
         )
-        t_mm = measure.gemm_ms(ra, rb, rbias)
         h = measure.fused_host_us(lambda: norm_mm_triton(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype, config=best))
         ind = None
-        if baseline.enabled(a.device):
+        if baseline.worth_measuring(a.device, times[best], h, t_est, best.label()):
             ind = baseline.time_compiled(*baseline.pre_norm_fn(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype),
                                          "norm + linear")
-    return measure.make_entry(best, times, measure.plus(t_mm, unfused_norm_ms(a)), h, ind)
+    return measure.make_entry(best, times, t_est, h, ind)
 
 
 def prenorm_config(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype):

@@ -138,7 +138,7 @@ def _choice(key, device, measure_fn: Callable[[], dict], default_label: Callable
     margin = config.tuning.margin_gluon if label.startswith("gl_") else config.tuning.margin
     host = ""
     h_f, weight = entry.get("h_fused_us"), config.tuning.host_weight
-    use_host = isinstance(h_f, (int, float)) and weight > 0 and not _under_cuda_graphs()
+    use_host = isinstance(h_f, (int, float)) and weight > 0 and measure.host_counts()
     inductor = entry.get("unfused_by") == "inductor"
     if inductor:
         what = "Inductor's compiled unfused subgraph"
@@ -155,11 +155,3 @@ def _choice(key, device, measure_fn: Callable[[], dict], default_label: Callable
     verdict = "fused" if fuse else "left unfused: fusion would not win"
     reason = f"{verdict} (measured {t_f:.4g} ms fused [{label}] vs {t_u:.4g} ms {what}{host})"
     return Choice(fuse, label, reason, t_f, t_u)
-
-
-def _under_cuda_graphs() -> bool:
-    """Whether the graph being compiled will run under CUDA graphs (``mode="reduce-overhead"``), where a
-    call's host time is paid once at capture, not per step."""
-    import torch._inductor.config as inductor_config
-
-    return bool(inductor_config.triton.cudagraphs)
