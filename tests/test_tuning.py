@@ -305,3 +305,13 @@ def test_candidates_after_a_hopeless_first_are_not_timed(monkeypatch, first_ms, 
     times = iter([first_ms, 0.9, 1.2])
     best, got = measure.time_candidates(["c0", "c1", "c2"], lambda c: None)  # no estimate: all timed
     assert len(got) == 3
+
+
+@pytest.mark.parametrize("gpu_ms,calls", [(None, 20), (0.01, 20), (1.0, 4), (50.0, 3)])
+def test_host_loops_shrink_for_long_kernels(monkeypatch, gpu_ms, calls):
+    """A host-time loop queues about 4 ms of GPU work at most (at least 3 calls): the sync after it is what the
+    first compile waits for, and a long kernel's host time is no less steady over fewer calls."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    n = []
+    assert measure.host_us(lambda: n.append(1), repeats=2, gpu_ms=gpu_ms) is not None
+    assert len(n) == 1 + 2 * calls, len(n)  # one warm-up call, then the loops

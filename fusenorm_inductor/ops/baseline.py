@@ -119,7 +119,7 @@ def time_compiled(fn: Callable, inputs: list, what: str) -> Optional[tuple[float
                 measure.add_spent("inductor_compile", time.perf_counter() - t0)
             call = lambda: compiled(*inputs)  # noqa: E731
             ms = measure.time_ms(call)
-            return ms, (measure.host_us(call) if ms < float("inf") else None)
+            return ms, (measure.host_us(call, gpu_ms=ms) if ms < float("inf") else None)
 
     try:
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fusenorm-baseline") as pool:

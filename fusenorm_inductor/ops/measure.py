@@ -425,9 +425,18 @@ def host_counts() -> bool:
     return config.tuning.host_weight > 0 and not inductor_config.triton.cudagraphs
 
 
-def host_us(fn: Callable[[], object], calls: int = 20, repeats: int = 5) -> Optional[float]:
+# GPU work per host-time loop, ms: enough calls for a steady host pace, few enough that the sync after each
+# loop (waiting for the queued kernels, which the first compile pays for) stays short.
+_HOST_LOOP_GPU_MS = 4.0
+
+
+def host_us(fn: Callable[[], object], calls: int = 20, repeats: int = 5, gpu_ms: Optional[float] = None
+            ) -> Optional[float]:
     """Host time per call of fn: the wall time of back-to-back calls without a sync (the launches queue up
-    on the GPU, so the loop runs at the CPU's pace), the least of ``repeats`` loops; None when fn fails."""
+    on the GPU, so the loop runs at the CPU's pace), the least of ``repeats`` loops; None when fn fails.
+    ``gpu_ms``: fn's GPU time, when known; long kernels get fewer calls per loop (at least 3)."""
+    if gpu_ms and gpu_ms > 0:
+        calls = max(3, min(calls, int(_HOST_LOOP_GPU_MS / gpu_ms)))
     start = time.perf_counter()
     try:
         fn()
@@ -457,10 +466,11 @@ def _(x):
     return x.new_empty((0,))
 
 
-def fused_host_us(launch: Callable[[], object]) -> Optional[float]:
+def fused_host_us(launch: Callable[[], object], gpu_ms: Optional[float] = None) -> Optional[float]:
     """A fused op's host time per call as a compiled graph calls it: the custom op's dispatch and the launch
-    plan's lookup (measured once per process and device), plus ``launch``'s host time."""
-    t = host_us(launch) if torch.cuda.is_available() else None
+    plan's lookup (measured once per process and device), plus ``launch``'s host time (``gpu_ms``: its GPU
+    time, see ``host_us``)."""
+    t = host_us(launch, gpu_ms=gpu_ms) if torch.cuda.is_available() else None
     if t is None:
         return None
     key = ("dispatch_us", torch.cuda.current_device())

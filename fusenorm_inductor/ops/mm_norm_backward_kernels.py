@@ -591,7 +591,8 @@ def measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_norme
             measure.plus(t_mm, t_norm),
         )
         h = measure.fused_host_us(lambda: mm_norm_backward_triton(
-            rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms, src_is_normed, has_bias, dx_dtype, config=best))
+            rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms, src_is_normed, has_bias, dx_dtype, config=best),
+            times[best])
     return measure.make_entry(best, times, measure.plus(t_mm, t_norm), h)
 
 

@@ -756,7 +756,7 @@ def measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dt
         made: list = []
         full = lambda: mm_norm_triton(ra, rb, *args, eps, is_rms, out_dtype, save_normed, config=best,  # noqa: E731
                                       plan_out=made)
-        h = measure.fused_host_us(lambda: made[0](ra, rb, *args, eps) if made else full())
+        h = measure.fused_host_us(lambda: made[0](ra, rb, *args, eps) if made else full(), times[best])
         ind = None
         if baseline.worth_measuring(a.device, times[best], h, measure.plus(t_mm, t_norm), best.label()):
             ind = baseline.time_compiled(*baseline.post_norm_fn(ra, rb, *args, eps, is_rms, out_dtype),

@@ -559,7 +559,8 @@ def measure_prenorm(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype) -> di
             lambda c: norm_mm_triton(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype, config=c),
             t_est,
         )
-        h = measure.fused_host_us(lambda: norm_mm_triton(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype, config=best))
+        h = measure.fused_host_us(lambda: norm_mm_triton(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype, config=best),
+                                  times[best])
         ind = None
         if baseline.worth_measuring(a.device, times[best], h, t_est, best.label()):
             ind = baseline.time_compiled(*baseline.pre_norm_fn(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype),
