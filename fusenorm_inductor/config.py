@@ -116,7 +116,7 @@ class tuning:
     # Measure on CUDA (once per shape, cached on disk). Off: every match is fused with the kernels' first
     # candidate configuration (the tests do this, so that small shapes are fused and checked).
     measure: bool = Config(default=_env_bool("FUSENORM_TUNE", True))
-    # Time the unfused side of the forward decisions as Inductor's own compiled code for the matched
+    # Time the unfused side of the decisions as Inductor's own compiled code for the matched
     # subgraph (ops/baseline.py: one small Inductor compile per shape, cached with the measurements). Off:
     # estimate it as cuBLAS + a norm at copy speed (no nested compile).
     measure_inductor: bool = Config(default=_env_bool("FUSENORM_TUNE_INDUCTOR", True))

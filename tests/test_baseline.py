@@ -184,3 +184,25 @@ def test_worth_measuring_only_where_it_can_turn_the_decision(monkeypatch, t_fuse
     with config.patch({"tuning.measure_inductor": False}):
         assert not baseline.worth_measuring(torch.device("cuda"), 0.85, 10.0, 1.0, "gl_coop")
     assert not baseline.worth_measuring(torch.device("cpu"), 0.85, 10.0, 1.0, "gl_coop")
+
+
+@pytest.mark.parametrize("is_rms,src_is_normed,with_extra,affine", [(False, False, True, True), (True, True, False, True),
+                                                                    (False, True, False, False)],
+                         ids=["ln-from-x-extra", "rms-from-hh", "ln-from-hh-noaffine"])
+def test_dgrad_norm_subgraph_matches_reference(is_rms, src_is_normed, with_extra, affine):
+    from fusenorm_inductor.ops.mm_norm_backward import mm_norm_backward_reference
+
+    gen = torch.Generator().manual_seed(4)
+    m, k, n = 37, 24, 40
+    dy, b = _rand(m, k, gen=gen), _rand(k, n, gen=gen) * k ** -0.5
+    extra = _rand(m, n, gen=gen) if with_extra else None
+    src = _rand(m, n, gen=gen) * 2 + 0.5
+    w = _rand(n, gen=gen) if affine else None
+    rstd = torch.rand(m, generator=gen) + 0.5
+    mean = _rand(m, gen=gen) if not (is_rms or src_is_normed) else None
+    args = (dy, b, extra, src, w, mean, rstd, is_rms, src_is_normed, affine, torch.float32)
+    fn, inputs = baseline.dgrad_norm_fn(*args)
+    got = baseline.compile_unfused(fn, inputs)(*inputs)
+    want = mm_norm_backward_reference(*args)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)

@@ -12,8 +12,8 @@ When it fails (any exception), ``time_compiled`` warns once per reason and retur
 falls back to the estimate (cuBLAS + a norm at copy speed, ops/measure.py) and its reason says so.
 ``config.tuning.measure_inductor`` off uses the estimate without compiling (a first compile is shorter).
 
-Only the forward decisions (post-norm, pre-norm) use it; the regrouped backward's unfused side is still the
-estimate (its unfused graph is the joint graph's norm backward, which has no one-line torch form here).
+The post-norm, pre-norm and regrouped-backward decisions use it (``post_norm_fn``, ``pre_norm_fn``,
+``dgrad_norm_fn``), where it can turn their verdict (``worth_measuring``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from torch import Tensor
 
 from .. import config
 from . import measure
+from .norm import norm_backward_reference
 
-__all__ = ["compile_unfused", "in_baseline_compile", "post_norm_fn", "pre_norm_fn", "time_compiled"]
+__all__ = ["compile_unfused", "dgrad_norm_fn", "in_baseline_compile", "post_norm_fn", "pre_norm_fn", "time_compiled"]
 
 
 def _norm(h: Tensor, weight, norm_bias, eps: float, is_rms: bool) -> Tensor:
@@ -73,6 +74,26 @@ def pre_norm_fn(a, b, bias, weight, norm_bias, eps: float, is_rms: bool, out_dty
         x = _norm(t["a"], t.get("weight"), t.get("norm_bias"), eps, is_rms)
         y = torch.addmm(t["bias"], x, t["b"]) if "bias" in t else x @ t["b"]
         return y.to(out_dtype or t["a"].dtype)
+
+    return fn, [given[k] for k in present]
+
+
+def dgrad_norm_fn(dy, b, extra, src, weight, mean, rstd, is_rms: bool, src_is_normed: bool, has_bias: bool,
+                  dx_dtype):
+    """(fn, inputs): the unfused data-gradient GEMM ``dy @ b (+ extra)`` in the activations' dtype (cuBLAS),
+    then the norm's backward from the saved statistics (``norm_backward_reference``: the math of Inductor's
+    own norm backward, which it compiles into its reductions the same way), dx, dw and db."""
+    names = ("dy", "b", "extra", "src", "weight", "mean", "rstd")
+    given = dict(zip(names, (dy, b, extra, src, weight, mean, rstd)))
+    present = [k for k in names if given[k] is not None]
+
+    def fn(*ts):
+        t = dict(zip(present, ts))
+        dn = t["dy"] @ t["b"]
+        if "extra" in t:
+            dn = dn + t["extra"]
+        return norm_backward_reference(dn, t["src"], t.get("weight"), t.get("mean"), t["rstd"], is_rms,
+                                       src_is_normed, has_bias, dx_dtype)
 
     return fn, [given[k] for k in present]
 

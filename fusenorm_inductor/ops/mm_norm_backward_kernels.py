@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import measure
+from . import baseline, measure
 from ._triton_common import (
     FINALIZE_WARPS,
     TMA_MAX_BLOCK_N,
@@ -575,9 +575,10 @@ def _column_sums(dx, pdw, pdb, has_w, has_bias, dev):
 
 
 def measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype) -> dict:
-    """Every candidate timed on random inputs like the (possibly fake) arguments, and the unfused estimate:
-    cuBLAS's data-gradient GEMM plus a norm backward at copy speed (it reads dn and the saved tensor and
-    writes dx; row sums stay on chip)."""
+    """Every candidate timed on random inputs like the (possibly fake) arguments, and the unfused side:
+    Inductor's own code for it (ops/baseline.py) where that can turn the verdict, else the estimate: cuBLAS's
+    data-gradient GEMM plus a norm backward at copy speed (it reads dn and the saved tensor and writes dx;
+    row sums stay on chip)."""
     with measure.RealInputs():
         rdy, rb, rextra, rsrc, rw, rmean, rstd_r = measure.real_gemm_operands(dy, b, extra, src, weight, mean, rstd)
         rstd_r = rstd_r.abs_() + 0.5
@@ -593,7 +594,12 @@ def measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_norme
         h = measure.fused_host_us(lambda: mm_norm_backward_triton(
             rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms, src_is_normed, has_bias, dx_dtype, config=best),
             times[best])
-    return measure.make_entry(best, times, measure.plus(t_mm, t_norm), h)
+        ind = None
+        if baseline.worth_measuring(dy.device, times[best], h, measure.plus(t_mm, t_norm), best.label()):
+            ind = baseline.time_compiled(*baseline.dgrad_norm_fn(rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms,
+                                                                 src_is_normed, has_bias, dx_dtype),
+                                         "data-gradient GEMM + norm backward")
+    return measure.make_entry(best, times, measure.plus(t_mm, t_norm), h, ind)
 
 
 def backward_config(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype):

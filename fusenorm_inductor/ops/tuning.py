@@ -2,8 +2,8 @@
 
 ``forward_choice`` / ``backward_choice`` / ``prenorm_choice`` (called by the patterns at compile time, on
 the traced graph's fake tensors) take the best fused time of the kernels' candidates against the unfused
-path's time. For the forward fusions that is Inductor's own compiled code for the matched subgraph, timed on
-the same inputs (ops/baseline.py); for the regrouped backward, and where that compile fails or
+path's time: Inductor's own compiled code for the matched subgraph, timed on the same inputs
+(ops/baseline.py), where it can turn the verdict; elsewhere, where that compile fails or
 ``config.tuning.measure_inductor`` is off, it is estimated as cuBLAS's GEMM plus a norm at copy speed
 (Inductor's norm kernels run at the copy bandwidth: docs/baselines-h200.md). Unless the graph will run
 under CUDA graphs, each side takes at least ``config.tuning.host_weight`` times its host time per call (the
