@@ -19,39 +19,45 @@ def _rand(*shape, gen):
     return torch.randn(*shape, generator=gen)
 
 
+def _gemm(seed: int, m: int, k: int, n: int):
+    """A generator and random [m, k] x [k, n] operands of unit-scale product."""
+    gen = torch.Generator().manual_seed(seed)
+    return gen, _rand(m, k, gen=gen), _rand(k, n, gen=gen) * k ** -0.5
+
+
+def _assert_compiled_matches(fn, inputs, want) -> None:
+    """Inductor's compile of fn computes ``want`` (a tensor, or a tuple compared item by item)."""
+    got = baseline.compile_unfused(fn, inputs)(*inputs)
+    got, want = (got, want) if isinstance(want, tuple) else ((got[0] if isinstance(got, (tuple, list)) else got,), (want,))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("is_rms,with_bias,with_res,affine", [(False, True, True, True), (True, False, False, True),
                                                               (False, False, True, False)],
                          ids=["ln-bias-res-affine", "rms", "ln-res-noaffine"])
 def test_post_norm_subgraph_matches_reference(is_rms, with_bias, with_res, affine):
-    gen = torch.Generator().manual_seed(1)
     m, k, n = 37, 24, 40
-    a, b = _rand(m, k, gen=gen), _rand(k, n, gen=gen) * k ** -0.5
+    gen, a, b = _gemm(1, m, k, n)
     bias = _rand(n, gen=gen) if with_bias else None
     res = _rand(m, n, gen=gen) if with_res else None
     w = _rand(n, gen=gen) if affine else None
     nb = _rand(n, gen=gen) if affine and not is_rms else None
     fn, inputs = baseline.post_norm_fn(a, b, bias, res, w, nb, 1e-5, is_rms, None)
     assert all(t is not None for t in inputs)
-    got = baseline.compile_unfused(fn, inputs)(*inputs)
-    got = got[0] if isinstance(got, (tuple, list)) else got
-    want = mm_norm_reference(a, b, bias, res, w, nb, 1e-5, is_rms)[0]
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    _assert_compiled_matches(fn, inputs, mm_norm_reference(a, b, bias, res, w, nb, 1e-5, is_rms)[0])
 
 
 @pytest.mark.parametrize("is_rms,with_bias,affine", [(False, True, True), (True, False, False)],
                          ids=["ln-bias-affine", "rms-noaffine"])
 def test_pre_norm_subgraph_matches_reference(is_rms, with_bias, affine):
-    gen = torch.Generator().manual_seed(2)
-    m, k, n = 41, 40, 24
-    a, b = _rand(m, k, gen=gen) * 3 + 1, _rand(k, n, gen=gen) * k ** -0.5
+    gen, a, b = _gemm(2, 41, 40, 24)
+    a, k, n = a * 3 + 1, 40, 24
     bias = _rand(n, gen=gen) if with_bias else None
     w = _rand(k, gen=gen) if affine else None
     nb = _rand(k, gen=gen) if affine and not is_rms else None
     fn, inputs = baseline.pre_norm_fn(a, b, bias, w, nb, 1e-6, is_rms, None)
-    got = baseline.compile_unfused(fn, inputs)(*inputs)
-    got = got[0] if isinstance(got, (tuple, list)) else got
-    want = norm_mm_reference(a, b, bias, w, nb, 1e-6, is_rms)[0]
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    _assert_compiled_matches(fn, inputs, norm_mm_reference(a, b, bias, w, nb, 1e-6, is_rms)[0])
 
 
 def test_fusenorm_passes_stand_aside_in_the_baseline_compile(monkeypatch):
@@ -192,17 +198,12 @@ def test_worth_measuring_only_where_it_can_turn_the_decision(monkeypatch, t_fuse
 def test_dgrad_norm_subgraph_matches_reference(is_rms, src_is_normed, with_extra, affine):
     from fusenorm_inductor.ops.mm_norm_backward import mm_norm_backward_reference
 
-    gen = torch.Generator().manual_seed(4)
     m, k, n = 37, 24, 40
-    dy, b = _rand(m, k, gen=gen), _rand(k, n, gen=gen) * k ** -0.5
+    gen, dy, b = _gemm(4, m, k, n)
     extra = _rand(m, n, gen=gen) if with_extra else None
     src = _rand(m, n, gen=gen) * 2 + 0.5
     w = _rand(n, gen=gen) if affine else None
     rstd = torch.rand(m, generator=gen) + 0.5
     mean = _rand(m, gen=gen) if not (is_rms or src_is_normed) else None
     args = (dy, b, extra, src, w, mean, rstd, is_rms, src_is_normed, affine, torch.float32)
-    fn, inputs = baseline.dgrad_norm_fn(*args)
-    got = baseline.compile_unfused(fn, inputs)(*inputs)
-    want = mm_norm_backward_reference(*args)
-    for g, e in zip(got, want):
-        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    _assert_compiled_matches(*baseline.dgrad_norm_fn(*args), tuple(mm_norm_backward_reference(*args)))
