@@ -31,7 +31,8 @@ from .. import config
 from . import measure
 from .norm import norm_backward_reference
 
-__all__ = ["compile_unfused", "dgrad_norm_fn", "in_baseline_compile", "post_norm_fn", "pre_norm_fn", "time_compiled"]
+__all__ = ["compile_unfused", "dgrad_norm_fn", "in_baseline_compile", "post_norm_fn", "pre_norm_fn", "time_compiled",
+           "unfused_where_it_counts", "worth_measuring"]
 
 
 def _norm(h: Tensor, weight, norm_bias, eps: float, is_rms: bool) -> Tensor:
@@ -46,36 +47,40 @@ def _norm(h: Tensor, weight, norm_bias, eps: float, is_rms: bool) -> Tensor:
     return F.layer_norm(h, n, weight, norm_bias, eps)
 
 
-def post_norm_fn(a, b, bias, residual, weight, norm_bias, eps: float, is_rms: bool, out_dtype):
-    """(fn, inputs): the unfused ``norm(a @ b + bias + residual)`` over the present tensors only (Inductor's
-    compiled callables take tensors, not None)."""
-    names = ("a", "b", "bias", "residual", "weight", "norm_bias")
-    given = dict(zip(names, (a, b, bias, residual, weight, norm_bias)))
-    present = [k for k in names if given[k] is not None]
+def _over_present(names: tuple, values: tuple, body: Callable[[dict], object]):
+    """(fn, inputs): ``body`` over a dict of the tensors given (Inductor's compiled callables take tensors, not
+    None), fn taking them positionally in ``names`` order."""
+    present = [(k, v) for k, v in zip(names, values) if v is not None]
+    keys = [k for k, _ in present]
 
     def fn(*ts):
-        t = dict(zip(present, ts))
+        return body(dict(zip(keys, ts)))
+
+    return fn, [v for _, v in present]
+
+
+def post_norm_fn(a, b, bias, residual, weight, norm_bias, eps: float, is_rms: bool, out_dtype):
+    """(fn, inputs): the unfused ``norm(a @ b + bias + residual)``."""
+
+    def body(t):
         h = torch.addmm(t["bias"], t["a"], t["b"]) if "bias" in t else t["a"] @ t["b"]
         if "residual" in t:
             h = h + t["residual"]
         return _norm(h, t.get("weight"), t.get("norm_bias"), eps, is_rms).to(out_dtype or t["a"].dtype)
 
-    return fn, [given[k] for k in present]
+    return _over_present(("a", "b", "bias", "residual", "weight", "norm_bias"),
+                         (a, b, bias, residual, weight, norm_bias), body)
 
 
 def pre_norm_fn(a, b, bias, weight, norm_bias, eps: float, is_rms: bool, out_dtype):
-    """(fn, inputs): the unfused ``norm(a) @ b + bias`` over the present tensors only."""
-    names = ("a", "b", "bias", "weight", "norm_bias")
-    given = dict(zip(names, (a, b, bias, weight, norm_bias)))
-    present = [k for k in names if given[k] is not None]
+    """(fn, inputs): the unfused ``norm(a) @ b + bias``."""
 
-    def fn(*ts):
-        t = dict(zip(present, ts))
+    def body(t):
         x = _norm(t["a"], t.get("weight"), t.get("norm_bias"), eps, is_rms)
         y = torch.addmm(t["bias"], x, t["b"]) if "bias" in t else x @ t["b"]
         return y.to(out_dtype or t["a"].dtype)
 
-    return fn, [given[k] for k in present]
+    return _over_present(("a", "b", "bias", "weight", "norm_bias"), (a, b, bias, weight, norm_bias), body)
 
 
 def dgrad_norm_fn(dy, b, extra, src, weight, mean, rstd, is_rms: bool, src_is_normed: bool, has_bias: bool,
@@ -83,19 +88,16 @@ def dgrad_norm_fn(dy, b, extra, src, weight, mean, rstd, is_rms: bool, src_is_no
     """(fn, inputs): the unfused data-gradient GEMM ``dy @ b (+ extra)`` in the activations' dtype (cuBLAS),
     then the norm's backward from the saved statistics (``norm_backward_reference``: the math of Inductor's
     own norm backward, which it compiles into its reductions the same way), dx, dw and db."""
-    names = ("dy", "b", "extra", "src", "weight", "mean", "rstd")
-    given = dict(zip(names, (dy, b, extra, src, weight, mean, rstd)))
-    present = [k for k in names if given[k] is not None]
 
-    def fn(*ts):
-        t = dict(zip(present, ts))
+    def body(t):
         dn = t["dy"] @ t["b"]
         if "extra" in t:
             dn = dn + t["extra"]
         return norm_backward_reference(dn, t["src"], t.get("weight"), t.get("mean"), t["rstd"], is_rms,
                                        src_is_normed, has_bias, dx_dtype)
 
-    return fn, [given[k] for k in present]
+    return _over_present(("dy", "b", "extra", "src", "weight", "mean", "rstd"),
+                         (dy, b, extra, src, weight, mean, rstd), body)
 
 
 _local = threading.local()
@@ -181,6 +183,15 @@ def worth_measuring(device: torch.device, t_fused: float, h_fused_us: Optional[f
         return True
     if measure.host_counts() and h_fused_us and config.tuning.host_weight * h_fused_us / 1e3 >= t_fused:
         return True
-    margin = config.tuning.margin_gluon if label.startswith("gl_") else config.tuning.margin
-    ratio = t_fused / (t_estimate * (1.0 - margin))
+    ratio = t_fused / (t_estimate * (1.0 - measure.margin_for(label)))
     return 1.0 / (1.0 + BAND) <= ratio <= 1.0 + BAND
+
+
+def unfused_where_it_counts(device: torch.device, t_fused: float, h_fused_us: Optional[float],
+                            t_estimate: Optional[float], label: str, built: tuple, what: str):
+    """What the measuring functions call: ``time_compiled(*built, what)`` where ``worth_measuring`` says so,
+    else None (the estimate decides). ``built``: (fn, inputs) from ``post_norm_fn`` / ``pre_norm_fn`` /
+    ``dgrad_norm_fn``."""
+    if not worth_measuring(device, t_fused, h_fused_us, t_estimate, label):
+        return None
+    return time_compiled(*built, what)

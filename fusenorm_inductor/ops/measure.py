@@ -416,6 +416,11 @@ def make_entry(best, times: dict, t_unfused: Optional[float], h_fused_us: Option
 # ----------------------------------------------------------------------------------------------------------
 
 
+def margin_for(label: str) -> float:
+    """The fraction a fused kernel must win by (``tuning.margin``; ``margin_gluon`` for a Gluon config label)."""
+    return config.tuning.margin_gluon if label.startswith("gl_") else config.tuning.margin
+
+
 def host_counts() -> bool:
     """Whether host time counts in the decision: the graph being compiled will not run under CUDA graphs
     (``mode="reduce-overhead"`` pays a call's host time once, at capture, not per step) and

@@ -583,23 +583,23 @@ def measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_norme
         rdy, rb, rextra, rsrc, rw, rmean, rstd_r = measure.real_gemm_operands(dy, b, extra, src, weight, mean, rstd)
         rstd_r = rstd_r.abs_() + 0.5
         t_mm = measure.time_ms(lambda: torch.mm(rdy, rb))
-        t_norm = measure.norm_proxy_ms(rdy.shape[0], rb.shape[1], rdy.dtype, 3, dy.device)
+        t_est = measure.plus(t_mm, measure.norm_proxy_ms(rdy.shape[0], rb.shape[1], rdy.dtype, 3, dy.device))
         best, times = measure.time_candidates(
             backward_candidates(rdy, rb, rb.shape[1], 4 if dx_dtype == torch.float32 else 2),
             lambda c: mm_norm_backward_triton(
                 rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms, src_is_normed, has_bias, dx_dtype, config=c
             ),
-            measure.plus(t_mm, t_norm),
+            t_est,
         )
         h = measure.fused_host_us(lambda: mm_norm_backward_triton(
             rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms, src_is_normed, has_bias, dx_dtype, config=best),
             times[best])
-        ind = None
-        if baseline.worth_measuring(dy.device, times[best], h, measure.plus(t_mm, t_norm), best.label()):
-            ind = baseline.time_compiled(*baseline.dgrad_norm_fn(rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms,
-                                                                 src_is_normed, has_bias, dx_dtype),
-                                         "data-gradient GEMM + norm backward")
-    return measure.make_entry(best, times, measure.plus(t_mm, t_norm), h, ind)
+        ind = baseline.unfused_where_it_counts(
+            dy.device, times[best], h, t_est, best.label(),
+            baseline.dgrad_norm_fn(rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms, src_is_normed, has_bias,
+                                   dx_dtype),
+            "data-gradient GEMM + norm backward")
+    return measure.make_entry(best, times, t_est, h, ind)
 
 
 def backward_config(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype):

@@ -746,22 +746,22 @@ def measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dt
         ra, rb, *args = measure.real_gemm_operands(a, b, bias, residual, weight, norm_bias)
         out_bytes = forward_out_bytes(ra, residual, out_dtype, save_normed)
         t_mm = measure.gemm_ms(ra, rb, args[0])
-        t_norm = measure.norm_proxy_ms(ra.shape[0], rb.shape[1], ra.dtype, 3 if residual is not None else 2, a.device)
+        t_est = measure.plus(t_mm, measure.norm_proxy_ms(ra.shape[0], rb.shape[1], ra.dtype,
+                                                         3 if residual is not None else 2, a.device))
         best, times = measure.time_candidates(
             forward_candidates(ra, rb, rb.shape[1], out_bytes, (*args, out_dtype, save_normed)),
             lambda c: mm_norm_triton(ra, rb, *args, eps, is_rms, out_dtype, save_normed, config=c),
-            measure.plus(t_mm, t_norm),
+            t_est,
         )
         # The host time of the call a compiled graph makes: the cached launch plan where the launcher makes one.
         made: list = []
         full = lambda: mm_norm_triton(ra, rb, *args, eps, is_rms, out_dtype, save_normed, config=best,  # noqa: E731
                                       plan_out=made)
         h = measure.fused_host_us(lambda: made[0](ra, rb, *args, eps) if made else full(), times[best])
-        ind = None
-        if baseline.worth_measuring(a.device, times[best], h, measure.plus(t_mm, t_norm), best.label()):
-            ind = baseline.time_compiled(*baseline.post_norm_fn(ra, rb, *args, eps, is_rms, out_dtype),
-                                         "linear + norm")
-    return measure.make_entry(best, times, measure.plus(t_mm, t_norm), h, ind)
+        ind = baseline.unfused_where_it_counts(a.device, times[best], h, t_est, best.label(),
+                                               baseline.post_norm_fn(ra, rb, *args, eps, is_rms, out_dtype),
+                                               "linear + norm")
+    return measure.make_entry(best, times, t_est, h, ind)
 
 
 def forward_config(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed):

@@ -561,10 +561,9 @@ def measure_prenorm(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype) -> di
         )
         h = measure.fused_host_us(lambda: norm_mm_triton(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype, config=best),
                                   times[best])
-        ind = None
-        if baseline.worth_measuring(a.device, times[best], h, t_est, best.label()):
-            ind = baseline.time_compiled(*baseline.pre_norm_fn(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype),
-                                         "norm + linear")
+        ind = baseline.unfused_where_it_counts(a.device, times[best], h, t_est, best.label(),
+                                               baseline.pre_norm_fn(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype),
+                                               "norm + linear")
     return measure.make_entry(best, times, t_est, h, ind)
 
 

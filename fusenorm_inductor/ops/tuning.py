@@ -135,7 +135,7 @@ def _choice(key, device, measure_fn: Callable[[], dict], default_label: Callable
     label = measure.config_of(entry).label()
     if t_u is None:
         return Choice(True, label, f"fused ({_PROBE_FAILED})")
-    margin = config.tuning.margin_gluon if label.startswith("gl_") else config.tuning.margin
+    margin = measure.margin_for(label)
     host = ""
     h_f, weight = entry.get("h_fused_us"), config.tuning.host_weight
     use_host = isinstance(h_f, (int, float)) and weight > 0 and measure.host_counts()
