@@ -7,7 +7,10 @@ Per point, four timings of GPU work (``--timer cudagraph``: ``do_bench_cudagraph
 ``events``: ``do_bench``), medians; cuBLAS, the unfused function, the fused op and its GEMM base are timed
 in ``--rounds`` alternating rounds (median of the rounds). fusenorm runs its Gluon sm_90 kernels where they
 apply (``config.gluon``, on by default; ``--no-gluon``: the ``tl`` kernels); t_base_ms is the GEMM core of
-the kernel timed with a plain epilogue:
+the kernel timed with a plain epilogue (the fused kernel's own configuration, cluster schedule included), and
+t_core_ms the GEMM core alone as a plain GEMM would run it (tile schedule, the fastest of
+``plain_candidates``) against cuBLAS timed in the same rounds (t_mm_core_ms; forward points, once per K x N;
+``--core-only`` measures just that for the grid's K x N and ``--merge`` attaches it to the points):
 
 fwd  ``y = norm(a @ W.T)``, a [M, K], W [N, K] (an nn.Linear weight); all under no_grad
     t_mm       cuBLAS ``torch.mm(a, W.t())``
@@ -459,6 +462,22 @@ def run_point(p: Point, m: int, device: str, bench: Bench, shared: dict) -> dict
     return row
 
 
+def core_point(p: Point, m: int, device: str, bench: Bench) -> dict:
+    """--core-only: the GEMM core against cuBLAS at the point's K x N, a row of its own (dir "core")."""
+    row = {"M": m, "K": p.K, "N": p.N, "norm": None, "affine": None, "dir": "core"}
+    try:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            row.update(core_alone(p, Case(p, m, device), bench, {}))
+        row["core_throughput"] = row["t_mm_core_ms"] / row["t_core_ms"]
+    except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+    finally:
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
 def _measure_point(p: Point, m: int, device: str, bench: Bench, shared: dict, row: dict) -> None:
     torch.manual_seed(0)
     case = Case(p, m, device)
@@ -479,6 +498,8 @@ def _measure_point(p: Point, m: int, device: str, bench: Bench, shared: dict, ro
     row["max_abs_diff"] = max_abs_diff(fused["out"][0], ref)  # y (fwd) or dx (bwd)
     del fused, unfused, ref
     timed = {"mm": mm_fn, "unfused": unfused_fn, "fused": fused_fn}
+    if device == "cuda" and p.dir == "fwd":
+        row.update(core_alone(p, case, bench, shared))
     if device == "cuda":
         base, label = gemm_base(p, op_args)
         row["t_base_ms"], row["base_config"] = bench.measure(base)["ms"], label
@@ -499,6 +520,34 @@ def alternate_rounds(bench: Bench, fns: dict, row: dict) -> None:
     for k, ts in times.items():
         row[f"t_{k}_ms"] = statistics.median(ts)
         row[f"rounds_{k}_ms"] = ts
+
+
+CORE_FIELDS = ("t_mm_core_ms", "t_core_ms", "core_config", "core_configs_ms")
+
+
+def core_alone(p: Point, case: Case, bench: Bench, shared: dict) -> dict:
+    """The GEMM core with a plain epilogue on its tile schedule (``plain_candidates``: the configurations a
+    plain GEMM would take, no cluster) against cuBLAS ``a @ W.t()``, both timed in the same alternating
+    rounds; once per (K, N), shared by the point's norms. t_core_ms is the fastest configuration's median."""
+    key = ("core", p.K, p.N)
+    if key not in shared:
+        from fusenorm_inductor.kernels.hopper import mm_norm as hopper
+        from fusenorm_inductor.ops import mm_norm_kernels as fk
+
+        a, b = case.a, case.W.t()
+        fns = {"cublas": lambda: torch.mm(a, b)}
+        for cfg in hopper.plain_candidates(p.N, p.K):
+            fns[cfg.label()] = (lambda c=cfg: fk.mm_norm_triton(a, b, None, None, None, None, 1e-6, True, DTYPE, False,
+                                                                config=c, gemm_only=True))
+        times: dict = {k: [] for k in fns}
+        for _ in range(max(bench.rounds, 1)):
+            for k, fn in fns.items():
+                times[k].append(bench.time_ms(fn)[0])
+        med = {k: statistics.median(v) for k, v in times.items()}
+        best = min((k for k in med if k != "cublas"), key=med.get)
+        shared[key] = {"t_mm_core_ms": med["cublas"], "t_core_ms": med[best], "core_config": best,
+                       "core_configs_ms": {k: v for k, v in med.items() if k != "cublas"}}
+    return dict(shared[key])
 
 
 def gemm_base(p: Point, op_args: tuple) -> tuple[Callable, str]:
@@ -555,6 +604,8 @@ def derive(r: dict, ceilings: dict) -> dict:
     t_fn = t_unf if r.get("fuse") is False else t_fus
     if isinstance(r.get("t_base_ms"), (int, float)):
         r["base_over_mm"] = r["t_base_ms"] / t_mm
+    if isinstance(r.get("t_core_ms"), (int, float)):
+        r["core_throughput"] = r["t_mm_core_ms"] / r["t_core_ms"]  # the core's throughput over cuBLAS's
     r.update({
         "hidden": (t_unf - t_fus) / t_norm,
         "t_fusenorm_ms": t_fn,
@@ -579,6 +630,8 @@ def summarize(rows: list[dict], min_share: float) -> list[dict]:
     unfused time (below that, a few % of noise in t_unfused swamps the norm)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
+        if r["dir"] == "core":  # --core-only rows: no norm (merged into the forward points)
+            continue
         aff = "on" if r["affine"] else "off"
         groups.setdefault((r["norm"], r["dir"], aff), []).append(r)
         groups.setdefault((r["norm"], r["dir"], "all"), []).append(r)
@@ -600,6 +653,10 @@ def summarize(rows: list[dict], min_share: float) -> list[dict]:
         base = [r["base_over_mm"] for r in sel if "base_over_mm" in r]
         s["median_base_over_mm"] = statistics.median(base) if base else None
         s["max_base_over_mm"] = max(base) if base else None
+        # The GEMM core alone on its tile schedule (targets: median >= 0.97, min >= 0.93 of cuBLAS's throughput).
+        core = [r["core_throughput"] for r in sel if "core_throughput" in r]
+        s["median_core_throughput"] = statistics.median(core) if core else None
+        s["min_core_throughput"] = min(core) if core else None
         out.append(s)
     return out
 
@@ -618,6 +675,10 @@ def _fmt(x, spec: str, width: int) -> str:
 
 
 def row_line(r: dict) -> str:
+    if r["dir"] == "core":
+        return (f"{r['K']:5d} {r['N']:5d} core: cuBLAS {_fmt(r.get('t_mm_core_ms'), '.4f', 6)} ms, core "
+                f"{_fmt(r.get('t_core_ms'), '.4f', 6)} ms [{r.get('core_config')}], throughput "
+                f"{_fmt(r.get('core_throughput'), '.3f', 5)}x cuBLAS {r.get('error', '')}")
     head = f"{r['K']:5d} {r['N']:5d} {r['norm']:>5} {'on' if r['affine'] else 'off':>3} {r['dir']:>3} |"
     if not complete(r):
         return f"{head} error: {r.get('error', 'incomplete')[:150]}"
@@ -641,13 +702,15 @@ def print_summary(summary: list[dict], min_share: float) -> None:
     print(f"\nSummary over points with norm_share >= {100 * min_share:.0f}% "
           "(hidden: fused kernel; fn: what fusenorm runs after its dispatch)")
     print(f"{'norm':>5} {'dir':>3} {'aff':>3} | {'pts':>3} {'used':>4} {'err':>3} | {'med hid':>7} {'min hid':>7} | "
-          f"{'med fn':>7} {'min fn':>7} | fused slower  fn slower  dispatch unfused (missed wins) | base/mm med max")
+          f"{'med fn':>7} {'min fn':>7} | fused slower  fn slower  dispatch unfused (missed wins) | base/mm med max"
+          " | core/cuBLAS throughput med min")
     for s in summary:
         print(f"{s['norm']:>5} {s['dir']:>3} {s['affine']:>3} | {s['points']:3d} {s['considered']:4d} "
               f"{s['errors']:3d} | {pct(s['median_hidden'])} {pct(s['min_hidden'])} | "
               f"{pct(s['median_hidden_fusenorm'])} {pct(s['min_hidden_fusenorm'])} | {s['fused_slower']:12d} "
               f"{s['fusenorm_slower']:10d} {s['dispatch_unfused']:17d} ({s['missed_wins']}) | "
-              f"{_fmt(s.get('median_base_over_mm'), '.2f', 4)} {_fmt(s.get('max_base_over_mm'), '.2f', 4)}")
+              f"{_fmt(s.get('median_base_over_mm'), '.2f', 4)} {_fmt(s.get('max_base_over_mm'), '.2f', 4)} | "
+              f"{_fmt(s.get('median_core_throughput'), '.3f', 5)} {_fmt(s.get('min_core_throughput'), '.3f', 5)}")
 
 
 def _rounded(x):
@@ -788,6 +851,15 @@ def merge(paths: list[str], key: Callable[[dict], tuple] | None = None) -> dict:
             rows[k] = r
     if dups:
         print(f"note: {dups} points are in several files; the last file's rows were kept")
+    # --core-only rows (dir "core"): their core timings go to the forward points of the same M, K, N that have none
+    cores = {(r["M"], r["K"], r["N"]): r for r in rows.values() if r["dir"] == "core"}
+    for k in [k for k, r in rows.items() if r["dir"] == "core"]:
+        del rows[k]
+    for r in rows.values():
+        c = cores.get((r["M"], r["K"], r["N"]))
+        if c is not None and "t_core_ms" in c and r["dir"] == "fwd" and "t_core_ms" not in r:
+            r.update({f: c[f] for f in CORE_FIELDS})
+            r["core_throughput"] = c["t_mm_core_ms"] / c["t_core_ms"]
     meta = dict(datas[0]["meta"])
     meta.pop("partial", None)
     meta["merged_from"] = [{"file": p, "date": d["meta"].get("date"), "ceilings": d["meta"].get("ceilings")}
@@ -1008,6 +1080,9 @@ def parse_args(argv=None):
                         "measure the other points")
     p.add_argument("--plot-only", metavar="JSON", help="print table and summary and write the PNG of a JSON")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge partial runs into --out")
+    p.add_argument("--core-only", action="store_true",
+                   help="only the GEMM core against cuBLAS, once per K x N of the grid (rows of dir 'core'; --merge "
+                        "attaches them to the forward points)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny shapes: compiles and runs everything on the CPU (wall-clock times, meaningless)")
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
@@ -1052,7 +1127,8 @@ def run(args, device: str) -> dict:
     print(f"{len(points)} points to measure ({len(done)} kept from {args.out}), {len(jobs(points))} Inductor "
           f"functions, M = {args.rows}, device {device}, Inductor cache {cache_dir}", flush=True)
     try:
-        precompile(args, len(jobs(points)), cache_dir)
+        if not args.core_only:
+            precompile(args, len(jobs(points)), cache_dir)
         t_pre = time.time()
         tuning_settings = setup_torch(args.tuning_rep_ms, args.gluon)
         bench = Bench(args.timer, args.rep_ms, device, args.rounds)
@@ -1063,9 +1139,14 @@ def run(args, device: str) -> dict:
         meta.update(precompile_workers=args.precompile_workers, fusenorm_tuning=tuning_settings)
         rows, shared = list(done.values()), {}
         print(HEADER, flush=True)
+        if args.core_only:
+            points = list({(p.K, p.N): p for p in points if p.dir == "fwd"}.values())
         for p in points:
             t0 = time.time()
-            r = derive(run_point(p, args.rows, device, bench, shared), ceilings)
+            if args.core_only:
+                r = core_point(p, args.rows, device, bench)
+            else:
+                r = derive(run_point(p, args.rows, device, bench, shared), ceilings)
             r["point_s"] = time.time() - t0  # wall time, compiles and the dispatch's measurements included
             rows.append(r)
             print(row_line(r), flush=True)

@@ -24,7 +24,9 @@ step's wall time (compilation included). Per model: speedup = t_inductor / t_fus
 last 10% of the steps, "agree" within examples/_common.py's LOSS_TOL), and fusenorm's match report summary:
 every norm site fused (by which pattern) or left unfused (with the reasons the report gives), backward fusions.
 Step times are the means over two orders: the training runs (fusenorm first), then timing-only runs of inductor
-and fusenorm in the reverse order (``retime_reversed``; ``--no-reverse`` skips them).
+and fusenorm in the reverse order (``retime_reversed``; ``--no-reverse`` skips them); then ``paired_steps``:
+fusenorm, Inductor and Inductor again trained side by side, one step each per round in rotating order
+(speedup_paired, aa_paired: the A/A of the same design).
 ``--noise-ref`` also trains each model eagerly (no compile, ~+30 s of GPU time for the default grid): eager vs
 Inductor is how far two correct bf16 runs drift apart, the yardstick for fusenorm vs Inductor.
 
@@ -129,7 +131,73 @@ def compare_row(name: str, kind: str, config: dict, make_model, batches, loss_fn
                              dtype=dtype, timed=args.timed, backends=args.backends, log=log)
     row = row_of(name, kind, config, result, dtype)
     retime_reversed(row, make_model, batches, loss_fn, LR[kind], args, device, dtype)
+    paired_steps(row, make_model, batches, loss_fn, LR[kind], args, device, dtype)
     return row
+
+
+PAIRED = ("fusenorm", "inductor", "inductor_aa")
+
+
+def paired_steps(row: dict, make_model, batches, loss_fn, lr: float, args, device: str, dtype: torch.dtype) -> None:
+    """Step time measured in pairs: three copies of the model (fusenorm, Inductor, Inductor again for A/A),
+    each compiled and warmed up, then ``--timed`` rounds of one training step of each, in rotating order, so
+    clock and temperature drifts (which moved a backend's median by up to 30% between runs on the H200) hit
+    all three alike. ``speedup_paired`` is the median over the rounds of t_inductor / t_fusenorm of the same
+    round, ``aa_paired`` the same for Inductor against its own second copy: how far from 1 two identical
+    programs land. ``not_slower_paired``: speedup_paired is no further below 1 than the A/A ratio strays."""
+    if args.no_reverse:
+        return
+    import statistics
+
+    torch._dynamo.reset()
+    runs = {}
+    for backend in PAIRED:
+        torch.manual_seed(0)
+        model = make_model().to(device=device, dtype=dtype)
+        compiled = _common.compile_model(model, backend.removesuffix("_aa"), reset=False)
+        runs[backend] = (compiled, _common.make_optimizer(model, lr, device))
+
+    def step(backend: str, i: int):
+        compiled, opt = runs[backend]
+        loss = loss_fn(compiled, batches[i % len(batches)])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with _common.no_graph_caches():
+        for i in range(1 + args.extra_warmup):
+            for backend in PAIRED:
+                step(backend, i)
+    events = {b: [] for b in PAIRED}
+    cuda = device == "cuda"
+    walls = {b: [] for b in PAIRED}
+    for i in range(args.timed):
+        order = PAIRED[i % 3:] + PAIRED[: i % 3]
+        for backend in order:
+            t0 = time.perf_counter()
+            if cuda:
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
+            step(backend, i)
+            if cuda:
+                ev[1].record()
+                events[backend].append(ev)
+            else:
+                walls[backend].append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+        walls = {b: [a.elapsed_time(e) for a, e in evs] for b, evs in events.items()}
+    speed = statistics.median(i / f for i, f in zip(walls["inductor"], walls["fusenorm"]))
+    aa = statistics.median(i / j for i, j in zip(walls["inductor"], walls["inductor_aa"]))
+    row.update(t_paired_ms={b: statistics.median(v) for b, v in walls.items()}, speedup_paired=speed,
+               aa_paired=aa, not_slower_paired=bool(speed >= min(aa, 1 / aa)))
+    row["step_ms"].update({f"{b} (paired)": v for b, v in walls.items()})
+    del runs
+    torch._dynamo.reset()
+    if cuda:
+        torch.cuda.empty_cache()
+    log(f"  paired steps: speedup {speed:.3f} (A/A {aa:.3f}), medians "
+        + ", ".join(f"{b} {statistics.median(v):.3f} ms" for b, v in walls.items()))
 
 
 def retime_reversed(row: dict, make_model, batches, loss_fn, lr: float, args, device: str,
@@ -313,6 +381,9 @@ def print_table(rows: list[dict]) -> None:
                   f"{_f(r.get('first_step_ratio'), '.2f')}x Inductor's with warm kernel caches "
                   f"({'ok' if r.get('first_step_ok') else 'over 1.3x'}), {_f(r.get('first_step_ratio_cold'), '.2f')}x "
                   f"in the training runs (fusenorm first)")
+        if r.get("speedup_paired") is not None:
+            print(f"{r['name']}: paired steps speedup {r['speedup_paired']:.3f} against A/A {r['aa_paired']:.3f} "
+                  f"({'not slower' if r.get('not_slower_paired') else 'SLOWER'} than Inductor beyond its A/A)")
     for r in rows:
         if r.get("t_fusenorm_fused_ms"):
             print(f"{r['name']}: fusenorm with the block fused in training (patterns.attention_block_training) "

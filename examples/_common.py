@@ -79,9 +79,11 @@ def warm_up_compiler(device: str) -> None:
         torch._dynamo.reset()
 
 
-def compile_model(model: nn.Module, backend: str) -> nn.Module:
-    """``torch.compile(model, backend=backend, dynamic=False)`` after a Dynamo reset; "eager": the model itself."""
-    torch._dynamo.reset()
+def compile_model(model: nn.Module, backend: str, reset: bool = True) -> nn.Module:
+    """``torch.compile(model, backend=backend, dynamic=False)`` after a Dynamo reset (``reset=False``: keep
+    what is compiled already, e.g. another model trained alongside); "eager": the model itself."""
+    if reset:
+        torch._dynamo.reset()
     if backend == "eager":
         return model
     import fusenorm_inductor

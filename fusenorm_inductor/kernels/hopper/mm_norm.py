@@ -420,6 +420,17 @@ def candidates(a: Tensor, b: Tensor, save_normed: bool) -> list:
     return [c for c in out if c is not None and c.stages >= 2]
 
 
+def plain_candidates(n: int, k: int) -> list:
+    """The core's configurations for a plain GEMM (``gemm_only``) of n columns on the tile schedule, where no
+    row statistics tie a row's tiles together: what the benchmark times against cuBLAS as "the GEMM core".
+    The 128x256 cooperative tile ran at cuBLAS speed from K = 1024 up; the 128x128 tiles won at K = 256
+    (docs/design.md, third round)."""
+    bk = 64 if k >= 64 else 32
+    out = [_fit("gl_coop", 128, 256, bk, 3, 8, 1)] if n > 128 else []
+    out += [_fit("gl_pp", 128, 128, bk, 5, 4, 2), _fit("gl_coop", 128, 128, bk, 6, 4, 1)]
+    return [c for c in out if c is not None]
+
+
 @functools.lru_cache(maxsize=None)
 def _smem_layout(block: tuple, bf16: bool):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if bf16 else gl.float16)
@@ -644,6 +655,8 @@ def offline_variants() -> list[dict]:
                     c = cluster_shape(n, cfg.block_n) if cfg.kind == "gl_cluster" else (1, 1)
                     seen.setdefault((cfg, c, n % cfg.block_n == 0, save), (cfg, n, save))
     out = []
+    for cfg in dict.fromkeys(c for n in (256, 1024) for c in plain_candidates(n, 512)):
+        out.append(dict(config=list(cfg), n=1024, flags="ln_bare", save_normed=False, gemm_only=True, b_kn=False))
     for cfg, n, save in seen.values():
         for name, flags in OFFLINE_FLAGS.items():
             out.append(dict(config=list(cfg), n=n, flags=name, save_normed=save and flags["affine"], gemm_only=False,
