@@ -142,7 +142,7 @@ def test_prenorm_measurement_plumbing(monkeypatch):
     verdict follows the margin."""
     runs = []
 
-    def fake_time(fn):
+    def fake_time(fn, give_up_ms=None):
         fn()
         runs.append(fn)
         return 1.0
@@ -299,7 +299,7 @@ def test_candidates_after_a_hopeless_first_are_not_timed(monkeypatch, first_ms, 
     """A best guess over GIVE_UP (2x) the unfused estimate ends the timing (the others are left out); within it,
     every candidate is timed and the fastest kept."""
     times = iter([first_ms, 0.9, 1.2])
-    monkeypatch.setattr(measure, "time_ms", lambda fn: next(times))
+    monkeypatch.setattr(measure, "time_ms", lambda fn, give_up_ms=None: next(times))
     best, got = measure.time_candidates(["c0", "c1", "c2"], lambda c: None, unfused_ms=1.0)
     assert len(got) == timed and best == ("c0" if timed == 1 else "c1"), (best, got)
     times = iter([first_ms, 0.9, 1.2])
@@ -315,3 +315,24 @@ def test_host_loops_shrink_for_long_kernels(monkeypatch, gpu_ms, calls):
     n = []
     assert measure.host_us(lambda: n.append(1), repeats=2, gpu_ms=gpu_ms) is not None
     assert len(n) == 1 + 2 * calls, len(n)  # one warm-up call, then the loops
+
+
+@pytest.mark.parametrize("quick_ms,give_up_ms,expected", [
+    (5.0, 2.0, 5.0),     # hopeless: the quick look's time, no full timing
+    (5.0, 10.0, 4.0),    # could win: timed in full
+    (5.0, None, 4.0),    # no give-up time: timed in full, no quick look
+    (None, 0.02, 4.0),   # a host-bound call: the events timed its launch, not the kernel: timed in full
+])
+def test_quick_look_skips_the_full_timing_of_a_hopeless_candidate(monkeypatch, quick_ms, give_up_ms, expected):
+    """A candidate whose single calls already take over the give-up time keeps that time without the CUDA-graph
+    timing (most of a decision's cost to the first step); otherwise, or without a give-up time, it is timed."""
+    import triton.testing
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    looks = []
+    monkeypatch.setattr(measure, "_one_call_ms", lambda fn: looks.append(fn) or quick_ms)
+    full = []
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: full.append(fn) or 4.0)
+    assert measure.time_ms(lambda: None, give_up_ms) == expected
+    assert len(looks) == (measure.QUICK_LOOKS if give_up_ms is not None else 0)
+    assert len(full) == (0 if expected == quick_ms else 1)

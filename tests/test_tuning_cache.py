@@ -208,7 +208,7 @@ class _FakeCopyKernel:
         return launch
 
 
-def _fake_time(fn):
+def _fake_time(fn, give_up_ms=None):
     """The real ``_time_ms``'s contract: inf when fn fails, else a time (1 ms)."""
     try:
         fn()
@@ -316,7 +316,7 @@ def deterministic(monkeypatch):
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
     monkeypatch.setattr(measure, "can_measure", lambda device: True)
-    monkeypatch.setattr(measure, "time_ms", lambda fn: pytest.fail("timed in deterministic mode"))
+    monkeypatch.setattr(measure, "time_ms", lambda fn, give_up_ms=None: pytest.fail("timed in deterministic mode"))
     yield
     torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
