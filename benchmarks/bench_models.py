@@ -158,11 +158,7 @@ def paired_steps(row: dict, make_model, batches, loss_fn, lr: float, args, devic
         runs[backend] = (compiled, _common.make_optimizer(model, lr, device))
 
     def step(backend: str, i: int):
-        compiled, opt = runs[backend]
-        loss = loss_fn(compiled, batches[i % len(batches)])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _common.train_step(*runs[backend], batches[i % len(batches)], loss_fn)
 
     with _common.no_graph_caches():
         for i in range(1 + args.extra_warmup):

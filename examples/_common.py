@@ -103,6 +103,15 @@ def make_optimizer(model: nn.Module, lr: float, device: str) -> torch.optim.Opti
     return torch.optim.AdamW(model.parameters(), lr=lr, fused=device == "cuda")
 
 
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable) -> torch.Tensor:
+    """One training step (forward, backward, optimizer step, gradients cleared); returns the loss."""
+    loss = loss_fn(model, batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def train(model: nn.Module, batches: Sequence, loss_fn: Callable, steps: int, lr: float, device: str
           ) -> tuple[list[float], list[float], float, Optional[float]]:
     """``steps`` training steps on ``batches`` (cycled); returns (losses, step times in ms, first step's wall
@@ -119,10 +128,7 @@ def train(model: nn.Module, batches: Sequence, loss_fn: Callable, steps: int, lr
         if cuda:
             ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             ev[0].record()
-        loss = loss_fn(model, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, opt, batch, loss_fn)
         losses.append(loss.detach())
         if cuda:
             ev[1].record()

@@ -246,6 +246,20 @@ def can_measure(device: torch.device) -> bool:
 QUICK_LOOKS = 2  # single timed calls before the full timing, when a give-up time is known
 
 
+def _one_call_ms(fn: Callable[[], object]) -> Optional[float]:
+    """One call's GPU time between CUDA events; None when the call was host-bound (its launch took at least
+    half of that): the events then time the launch (0.28 ms for a ~5 us kernel on the H200), not the kernel."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    fn()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    end.record()
+    end.synchronize()
+    gpu_ms = float(start.elapsed_time(end))
+    return gpu_ms if gpu_ms > 2.0 * host_ms else None
+
+
 def time_ms(fn: Callable[[], object], give_up_ms: Optional[float] = None) -> float:
     """Median GPU time of fn in a CUDA graph (leaves out the CPU launch cost, which a training step
     overlaps with earlier kernels); inf when fn fails (e.g. a config that does not fit shared memory).
@@ -264,8 +278,9 @@ def time_ms(fn: Callable[[], object], give_up_ms: Optional[float] = None) -> flo
         t0, part = t1, "timing"
         if give_up_ms is not None:
             looks = [_one_call_ms(fn) for _ in range(QUICK_LOOKS)]
-            if None not in looks and min(looks) > give_up_ms:
-                return min(looks)
+            quick = None if None in looks else min(looks)
+            if quick is not None and quick > give_up_ms:
+                return quick
         return float(do_bench_cudagraph(fn, rep=config.tuning.rep_ms, return_mode="median"))
     except Exception:  # noqa: BLE001 - a failing candidate is simply not chosen
         torch.cuda.synchronize()
@@ -317,20 +332,6 @@ def real_gemm_operands(a: Tensor, b: Tensor, *others: Optional[Tensor]) -> list:
 GIVE_UP = 2.0
 
 
-def _one_call_ms(fn: Callable[[], object]) -> Optional[float]:
-    """One call's GPU time between CUDA events; None when the call was host-bound (its launch took at least
-    half of that): the events then time the launch (0.28 ms for a ~5 us kernel on the H200), not the kernel."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    t0 = time.perf_counter()
-    fn()
-    host_ms = (time.perf_counter() - t0) * 1e3
-    end.record()
-    end.synchronize()
-    gpu_ms = float(start.elapsed_time(end))
-    return gpu_ms if gpu_ms > 2.0 * host_ms else None
-
-
 def time_candidates(candidates, run: Callable[[object], object], unfused_ms: Optional[float] = None) -> tuple:
     """(fastest, {candidate: ms}): each candidate configuration timed as ``run(candidate)``, best guess first;
     when the first one takes over ``GIVE_UP`` x ``unfused_ms`` (the unfused estimate, when known) the rest
@@ -340,7 +341,7 @@ def time_candidates(candidates, run: Callable[[object], object], unfused_ms: Opt
     give_up = GIVE_UP * unfused_ms if unfused_ms else None
     for i, c in enumerate(candidates):
         times[c] = time_ms(lambda c=c: run(c), give_up)
-        if i == 0 and unfused_ms and times[c] > GIVE_UP * unfused_ms:
+        if i == 0 and give_up is not None and times[c] > give_up:
             break
     return min(times, key=times.get), times
 

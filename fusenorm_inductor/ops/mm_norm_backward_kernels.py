@@ -582,7 +582,7 @@ def measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_norme
     with measure.RealInputs():
         rdy, rb, rextra, rsrc, rw, rmean, rstd_r = measure.real_gemm_operands(dy, b, extra, src, weight, mean, rstd)
         rstd_r = rstd_r.abs_() + 0.5
-        t_mm = measure.time_ms(lambda: torch.mm(rdy, rb))
+        t_mm = measure.gemm_ms(rdy, rb, None)
         t_est = measure.plus(t_mm, measure.norm_proxy_ms(rdy.shape[0], rb.shape[1], rdy.dtype, 3, dy.device))
         best, times = measure.time_candidates(
             backward_candidates(rdy, rb, rb.shape[1], 4 if dx_dtype == torch.float32 else 2),
