@@ -230,8 +230,9 @@ def unchain(existing: Any, ours: FusenormPass) -> Any:
 def install() -> None:
     import torch._inductor.config as inductor_config
 
-    from . import ops  # noqa: F401  (registers the custom ops before any graph holds them)
+    from . import graph_calls, ops  # noqa: F401  (registers the custom ops before any graph holds them)
 
+    graph_calls.install()
     for slot, ours in SLOTS.items():
         setattr(inductor_config, slot, chain(getattr(inductor_config, slot), ours))
 
@@ -247,8 +248,9 @@ def config_patches(options: Optional[dict]) -> dict:
     """Inductor options with fusenorm's passes chained after whatever the options or config hold."""
     import torch._inductor.config as inductor_config
 
-    from . import ops  # noqa: F401
+    from . import graph_calls, ops  # noqa: F401
 
+    graph_calls.install()
     patched = dict(options or {})
     for slot, ours in SLOTS.items():
         patched[slot] = chain(patched.get(slot, getattr(inductor_config, slot)), ours)

@@ -87,7 +87,7 @@ def mm_norm_backward(
 
 
 @mm_norm_backward.register_kernel("cuda")
-def _(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype):
+def _cuda(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype):
     _check(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed)
     from .mm_norm_backward_kernels import mm_norm_backward_triton
 

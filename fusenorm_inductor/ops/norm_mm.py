@@ -121,7 +121,7 @@ def norm_mm(
 
 
 @norm_mm.register_kernel("cuda")
-def _(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype=None):
+def _cuda(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype=None):
     _check(a, b, bias, weight, norm_bias, eps)
     from .norm_mm_kernels import norm_mm_triton
 
@@ -181,7 +181,7 @@ def mm_normed(
 
 
 @mm_normed.register_kernel("cuda")
-def _(x, a, mean, rstd, weight, norm_bias, is_rms):
+def _cuda_normed(x, a, mean, rstd, weight, norm_bias, is_rms):
     _check_normed(x, a, mean, rstd, weight, norm_bias, is_rms)
     # y is rebuilt in a's dtype, the dtype the unfused graph saved it in, as a transient of this backward
     # op (never saved across the step), then cuBLAS. A kernel that normalizes A tiles on their way into
