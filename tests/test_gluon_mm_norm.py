@@ -143,3 +143,40 @@ def test_custom_op_runs_gluon(gluon_calls):
 def test_fp16(dtype):
     args = TARGET.fwd_args(FWD_CASES["full"], 257, 200, 320, dtype, False)
     TARGET.check_forward(args)
+
+
+def test_cached_plan_relaunches_on_new_and_reused_buffers(gluon_calls):
+    """The compiled graph's call (graph_calls): the first call makes the launch plan, later calls reuse it
+    with TMA maps kept per data pointer; new inputs, then the first inputs again, each give their own result."""
+    from torch._inductor.select_algorithm import extern_kernels
+
+    from fusenorm_inductor import graph_calls
+    from fusenorm_inductor.ops import measure
+
+    graph_calls.install()
+    measure.clear_memory()  # plans made by earlier tests are stale now
+    call = getattr(extern_kernels, graph_calls.call_name("mm_norm"))
+    w = TARGET.randn(320, 200, dtype=BF16)
+    lw, lb = TARGET.randn(320, dtype=BF16), TARGET.randn(320, dtype=BF16)
+    inputs = [TARGET.randn_scaled(257, 200, BF16) for _ in range(2)]
+    for a in inputs + inputs[:1]:
+        y, hh, mean, rstd = call(a, w.t(), None, None, lw, lb, 1e-5, False, None, True)
+        ref = torch.nn.functional.layer_norm(a.float() @ w.float().t(), (320,), lw.float(), lb.float(), 1e-5)
+        torch.testing.assert_close(y.float(), ref, atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(rstd, 1 / (a.float() @ w.float().t()).var(-1, unbiased=False).add(1e-5).sqrt(),
+                                   atol=1e-3, rtol=1e-3)
+    assert len(gluon_calls) == 1  # one plan made, relaunched twice
+
+
+def test_fast_launcher_refuses_another_signature():
+    from fusenorm_inductor.kernels.hopper import launch as L
+
+    class Probe(L.FastLauncher):
+        def __init__(self):  # only what _encoded reads
+            self.signature, self.cache, self.metas = [None], [{}], [None]
+            self._encode = lambda desc, meta: [desc.base.data_ptr()]
+
+    probe = Probe()
+    probe._encoded(0, torch.empty(4, 8, device="cuda"))
+    with pytest.raises(ValueError, match="parameter 0"):
+        probe._encoded(0, torch.empty(8, 4, device="cuda"))

@@ -131,11 +131,12 @@ class _Desc(NamedTuple):  # what triton's make_tensordesc_arg reads of a host de
 
 class FastLauncher:
     """Launches a compiled kernel whose first ``n_desc`` parameters are TMA descriptors with no per-call
-    Python but a dict lookup per descriptor: the encoded CUtensorMap of a (pointer, shape, strides) is kept
-    (the caching allocator hands a step the same addresses again, and a map depends on nothing else), and the
-    launcher's C entry point is called directly on the raw CUDA stream. Made by ``fast_launcher``, which
-    returns None where this triton's launcher is not the one this was written against (the caller then
-    launches through ``run``)."""
+    Python but a dict lookup per descriptor: the encoded CUtensorMap of each parameter is kept by data
+    pointer (the caching allocator hands a step the same addresses again), and the launcher's C entry point
+    is called directly on the raw CUDA stream. One launcher serves one launch plan, whose callers pass
+    tensors of one shape, stride and dtype per parameter (the plan's key fixes them), so the pointer is all
+    that changes a map. Made by ``fast_launcher``, which returns None where this triton's launcher is not
+    the one this was written against (the caller then launches through ``run``)."""
 
     def __init__(self, compiled, c_launch, metas: list, num_warps: int, device: torch.device) -> None:
         from triton.backends.nvidia import driver
@@ -146,24 +147,26 @@ class FastLauncher:
         self.head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
                      compiled.packed_metadata, None, None, None)
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
-        # (param, ptr, shape, strides, dtype) -> expanded descriptor arguments. Per launcher: a map also
-        # encodes this kernel's box and swizzle (its tensordesc metadata).
-        self.cache: dict = {}
+        self.cache: list[dict] = [{} for _ in metas]  # per descriptor parameter: data_ptr -> expanded arguments
+        self.signature: list = [None] * len(metas)  # per parameter: (shape, strides, dtype) of its first tensor
 
-    def _expanded(self, i: int, t: torch.Tensor) -> list:
-        key = (i, t.data_ptr(), t.shape, t.stride(), t.dtype)
-        e = self.cache.get(key)
-        if e is None:
-            if len(self.cache) >= _DESC_CACHE_MAX:
-                self.cache.clear()
-            e = self._encode(_Desc(t, list(t.shape), list(t.stride()), "zero"), self.metas[i])
-            self.cache[key] = e
+    def _encoded(self, i: int, t: torch.Tensor) -> list:
+        sig = (t.shape, t.stride(), t.dtype)
+        if self.signature[i] is None:
+            self.signature[i] = sig
+        elif self.signature[i] != sig:  # a caller broke the one-signature contract: never launch a stale map
+            raise ValueError(f"FastLauncher: parameter {i} got {sig}, the plan was made for {self.signature[i]}")
+        cache = self.cache[i]
+        if len(cache) >= _DESC_CACHE_MAX:
+            cache.clear()
+        e = cache[t.data_ptr()] = self._encode(_Desc(t, list(t.shape), list(t.stride()), "zero"), self.metas[i])
         return e
 
     def __call__(self, grid: int, descs: tuple, rest: tuple) -> None:
         expanded = []
         for i, t in enumerate(descs):
-            expanded += self._expanded(i, t)
+            e = self.cache[i].get(t.data_ptr())
+            expanded += e if e is not None else self._encoded(i, t)
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
         self.c_launch(grid, 1, 1, stream, *self.head, *expanded, *rest, self.num_warps)
 
