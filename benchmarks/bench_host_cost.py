@@ -7,7 +7,8 @@ Parts (``--parts``, default all):
              launch, and each fused op (fusenorm::mm_norm, norm_mm, mm_norm_backward) as the compiled graph
              calls it; plus a cProfile of the fused forward's call (top functions, in the JSON).
     steps    a stack of ``--layers`` (8) x (Linear -> LayerNorm) blocks, d = 256, compiled ``dynamic=False``
-             by Inductor and by fusenorm: time per step (forward under no_grad, and forward + backward) at
+             by Inductor, by fusenorm, and by fusenorm with every match fused (the decision not asked: a
+             step of many small fused calls): time per step (forward under no_grad, and forward + backward) at
              M = 512 rows (host-bound) and M = 131072 (GPU-bound), without CUDA graphs and with them
              (``mode="reduce-overhead"``), alternating rounds, medians.
     regress  the inference regressions of issue 16, "Why" 1: ``Linear(256, 256, bias=False) -> RMSNorm(256)``
@@ -35,20 +36,25 @@ import torch
 import torch.nn as nn
 
 import fusenorm_inductor  # noqa: F401  (registers the ops and the backend)
+from fusenorm_inductor import config
 
 
-def wall_us_per_call(fn, calls: int = 2000, rounds: int = 5) -> float:
-    """Median over rounds of the wall time per call of a loop of ``calls`` calls (synchronized at the ends)."""
-    fn()
+def wall_us_per_call(fns: dict, calls: int = 1000, rounds: int = 9) -> dict:
+    """Per function, the median over rounds of the wall time per call of a loop of ``calls`` calls
+    (synchronized at the ends); the functions take turns within each round, so a drift of the host's speed
+    (it moved the same call by up to 1.6x between runs) touches them all alike."""
+    for fn in fns.values():
+        fn()
     torch.cuda.synchronize()
-    out = []
+    out = {name: [] for name in fns}
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(out)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            out[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {name: statistics.median(v) for name, v in out.items()}
 
 
 def step_ms(fn, steps: int = 30) -> float:
@@ -120,9 +126,30 @@ def part_ops() -> dict:
         "fusenorm::mm_norm_backward (RMSNorm)": lambda: mm_norm_bwd(h, w, None, h, lw, None, rstd, True, True,
                                                                       False, dt),
     }
-    out = {name: wall_us_per_call(fn) for name, fn in fns.items()}
+    # What a compiled graph calls since graph_calls: the launcher, without the dispatcher and autograd layer.
+    from torch._inductor.select_algorithm import extern_kernels
+
+    from fusenorm_inductor import graph_calls
+    from fusenorm_inductor.ops import measure
+    from fusenorm_inductor.ops.mm_norm_kernels import _outputs
+
+    graph_calls.install()
+    g_mm_norm = getattr(extern_kernels, graph_calls.call_name("mm_norm"))
+    g_bwd = getattr(extern_kernels, graph_calls.call_name("mm_norm_backward"))
+    fns.update({
+        "graph call: mm_norm (RMSNorm, affine, no_grad)": lambda: g_mm_norm(a, b, None, None, lw, None, 1e-6, True, dt,
+                                                                           False),
+        "graph call: mm_norm (LayerNorm, affine, save hh)": lambda: g_mm_norm(a, b, None, None, lw, lw, 1e-5, False,
+                                                                             dt, True),
+        "graph call: mm_norm_backward (RMSNorm)": lambda: g_bwd(h, w, None, h, lw, None, rstd, True, True, False, dt),
+        # parts of the graph call (RMSNorm, no_grad)
+        "part: plan key": lambda: measure.plan_key((a, b, None, None, lw, None), 1e-6, True, dt, False, True, None),
+        "part: the four outputs (torch.empty)": lambda: _outputs(m, n, dt, dt, True, False, a.device),
+        "part: one torch.empty": lambda: torch.empty((m, n), dtype=dt, device=a.device),
+    })
+    out = wall_us_per_call(fns)
     prof = cProfile.Profile()
-    fn = fns["fusenorm::mm_norm (RMSNorm, affine, no_grad)"]
+    fn = fns["graph call: mm_norm (RMSNorm, affine, no_grad)"]
     prof.enable()
     for _ in range(500):
         fn()
@@ -160,9 +187,10 @@ def _step_fn(f, x, kind: str):
     return step
 
 
-def _compiled(backend: str, model: nn.Module, mode=None):
-    torch._dynamo.reset()
-    return torch.compile(model, backend=backend, dynamic=False, mode=mode)
+def _every_match_fused(gm, example_inputs, **kwargs):
+    """fusenorm's backend under another name: Dynamo keeps one compiled version per backend, so this one sits
+    beside the default-config "fusenorm" version of the same model."""
+    return fusenorm_inductor.fusenorm_backend(gm, example_inputs, **kwargs)
 
 
 def part_steps(layers: int) -> list:
@@ -175,18 +203,36 @@ def part_steps(layers: int) -> list:
                 model = Stack(layers, d).cuda().to(torch.bfloat16)
                 x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, requires_grad=kind == "training")
                 mode = "reduce-overhead" if graphs else None
-                fns = {}
-                for backend in ("inductor", "fusenorm"):
-                    step = _step_fn(_compiled(backend, model, mode), x, kind)
-                    torch.compiler.cudagraph_mark_step_begin()
-                    step()
-                    fns[backend] = (lambda s=step: (torch.compiler.cudagraph_mark_step_begin(), s())) if graphs else step
-                # Two compiled versions of one model: each was compiled above; Dynamo's cache holds both.
+                fns, fused = {}, {}
+                # Dynamo keeps the compiled versions side by side (one per backend). Training under CUDA graphs:
+                # two versions' graph trees overwrote each other's outputs, so each is compiled alone (a reset
+                # before it) and the every-match-fused version, which must compile under its config, is left out.
+                alone = graphs and kind == "training"
+                names = ("inductor", "fusenorm") if alone else ("inductor", "fusenorm", "fusenorm, every match fused")
+                torch._dynamo.reset()
+                for name in names:
+                    if alone:
+                        torch._dynamo.reset()
+                    torch._dynamo.utils.counters["fusenorm"].clear()
+                    # "every match fused": the decision is not asked (tuning.measure off), so the step is one
+                    # of many small fused calls, the host cost of each counting wherever the GPU waits for it.
+                    with config.patch({"tuning.measure": "every" not in name}):
+                        backend = {"fusenorm, every match fused": _every_match_fused}.get(name, name)
+                        compiled = torch.compile(model, backend=backend, dynamic=False, mode=mode)
+                        step = _step_fn(compiled, x, kind)
+                        torch.compiler.cudagraph_mark_step_begin()
+                        step()
+                    fns[name] = (lambda s=step: (torch.compiler.cudagraph_mark_step_begin(), s())) if graphs else step
+                    fused[name] = dict(torch._dynamo.utils.counters["fusenorm"])
+                # Three compiled versions of one model: each was compiled above; Dynamo's cache holds them all.
                 t = alternating(fns)
                 rows.append({"M": m, "layers": layers, "d": d, "kind": kind, "cuda_graphs": graphs,
                              "t_inductor_ms": t["inductor"], "t_fusenorm_ms": t["fusenorm"],
                              "ratio": t["fusenorm"] / t["inductor"],
-                             "fused": dict(torch._dynamo.utils.counters["fusenorm"])})
+                             "t_all_fused_ms": t.get("fusenorm, every match fused"),
+                             "ratio_all_fused": (t["fusenorm, every match fused"] / t["inductor"]
+                                                 if "fusenorm, every match fused" in t else None),
+                             "fused": fused["fusenorm"], "fused_all": fused.get("fusenorm, every match fused")})
                 torch._dynamo.utils.counters["fusenorm"].clear()
                 print(rows[-1], flush=True)
     return rows
