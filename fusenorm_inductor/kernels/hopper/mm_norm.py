@@ -482,15 +482,16 @@ _RUNTIME = ("a_desc", "b_desc", "y_desc", "hh_desc", "res_desc", "bias_ptr", "w_
             "rstd_ptr", "p1_ptr", "p2_ptr", "M", "N", "K", "eps")  # the kernel's leading, non-constexpr parameters
 
 
-def _operands(a, b, bias, residual, weight, norm_bias, eps, y, hh, mean, rstd, p1, p2, config, shape: Launch
-              ) -> tuple[tuple, tuple]:
-    """The call's values of ``_RUNTIME``: the five tensors behind the TMA descriptors, then the rest."""
+def _operands(a, b, bias, residual, weight, norm_bias, eps, y, hh, mean, rstd, p1, p2, config, shape: Launch,
+              kn: Optional[bool] = None) -> tuple[tuple, tuple]:
+    """The call's values of ``_RUNTIME``: the five tensors behind the TMA descriptors, then the rest. ``kn``:
+    whether b is row-major (``b_layout``), when the caller knows it already."""
     m, k = a.shape
     n = b.shape[1]
     any_ = y  # stands in for absent optional pointers (never read: the flags say so)
     bias, weight, norm_bias = (_padded(t, config.block_n) for t in (bias, weight, norm_bias))
-    descs = (a, b if b_layout(a, b) == "kn" else b.t(), y, hh if shape.save else y,
-             residual if residual is not None else y)
+    kn = b_layout(a, b) == "kn" if kn is None else kn
+    descs = (a, b if kn else b.t(), y, hh if shape.save else y, residual if residual is not None else y)
     rest = (bias if bias is not None else any_, weight if weight is not None else any_,
             norm_bias if norm_bias is not None else any_, mean if mean.numel() else rstd, rstd, p1, p2,
             m, n, k, float(eps))
@@ -562,9 +563,7 @@ class ForwardPlan:
             raise SpillError(f"{config.label()}: this specialization spills registers ({compiled.n_spills})")
         self.compiled = compiled
         self.fast = L.fast_launcher(compiled, 5, shape.num_warps, a.device)
-        # What _operands derives per call, fixed by the plan's signature (the fast path reads these instead).
-        self.kn, self.even = b_layout(a, b) == "kn", n % config.block_n == 0
-        self.dims = (m, n, a.shape[1])
+        self.kn = b_layout(a, b) == "kn"  # fixed by the plan's signature: not derived again per call
         row_blocks = -(-m // config.block_m)
         if c == 1:
             self.grid = min(row_blocks * -(-n // config.block_n), num_sms(a.device))
@@ -579,17 +578,11 @@ class ForwardPlan:
         return p1, (self.alloc((m, cols), torch.float32) if not self.is_rms else p1)
 
     def __call__(self, a, b, bias, residual, weight, norm_bias, eps, y, hh, mean, rstd) -> None:
-        p1, p2 = self._partials(a.shape[0], rstd) if self.shape.sync else (rstd, rstd)
-        fast = self.fast
-        if fast is not None:  # _operands' values, from what the plan fixed
-            if not self.even:
-                bn = self.config.block_n
-                bias, weight, norm_bias = _padded(bias, bn), _padded(weight, bn), _padded(norm_bias, bn)
-            descs = (a, b if self.kn else b.t(), y, hh if self.shape.save else y,
-                     residual if residual is not None else y)
-            fast(self.grid, descs, (bias if bias is not None else y, weight if weight is not None else y,
-                                    norm_bias if norm_bias is not None else y, mean if mean.numel() else rstd,
-                                    rstd, p1, p2, *self.dims, float(eps), *self.consts))
+        p1, p2 = self._partials(a.shape[0], rstd)
+        if self.fast is not None:
+            descs, rest = _operands(a, b, bias, residual, weight, norm_bias, eps, y, hh, mean, rstd, p1, p2,
+                                    self.config, self.shape, self.kn)
+            self.fast(self.grid, descs, rest + self.consts)
             return
         args = runtime_args(a, b, bias, residual, weight, norm_bias, eps, y, hh, mean, rstd, p1, p2, self.config,
                             self.shape)
