@@ -34,7 +34,7 @@ _OPS = {
 }
 
 PREFIX = "fusenorm_"
-_installed: list = []  # [True] once install() has run
+_installed: list = []  # [True] once install() has run, [True, "ok"] once it succeeded
 
 
 def call_name(op_name: str) -> str:
@@ -42,12 +42,9 @@ def call_name(op_name: str) -> str:
     return PREFIX + op_name
 
 
-def _direct(op_name: str) -> Callable:
-    module, attr = _OPS[op_name]
-    cuda_fn = getattr(importlib.import_module(module), attr)
-    op = getattr(torch.ops.fusenorm, op_name).default
-
-    qualname = f"fusenorm::{op_name}"
+def wrap(qualname: str, cuda_fn: Callable, op: Callable) -> Callable:
+    """What a compiled graph calls for the op named ``qualname``: ``cuda_fn`` for CUDA tensors, ``op`` otherwise
+    (measure.py times a no-op through it: the graph call's own host cost)."""
 
     def call(*args, **kwargs):
         # The first argument of every op of _OPS is a tensor on the op's device.
@@ -58,8 +55,23 @@ def _direct(op_name: str) -> Callable:
             return cuda_fn(*args, **kwargs)
         return op(*args, **kwargs)
 
+    return call
+
+
+def _direct(op_name: str) -> Callable:
+    module, attr = _OPS[op_name]
+    cuda_fn = getattr(importlib.import_module(module), attr)
+    call = wrap(f"fusenorm::{op_name}", cuda_fn, getattr(torch.ops.fusenorm, op_name).default)
     call.__name__ = call.__qualname__ = call_name(op_name)
     return call
+
+
+def active() -> bool:
+    """Whether graphs compiled now call the fused ops directly: ``install`` succeeded and Inductor writes a
+    Python wrapper (the C++ wrapper keeps the dispatcher call)."""
+    import torch._inductor.config as inductor_config
+
+    return _installed == [True, "ok"] and not inductor_config.cpp_wrapper
 
 
 def _python_wrapper() -> bool:
@@ -112,5 +124,6 @@ def install() -> None:
             inner = lowering.lowerings[op]
             if not getattr(inner, "_fusenorm_direct", False):
                 lowering.lowerings[op] = _lowering(op, name, inner)
+        _installed.append("ok")
     except Exception as e:  # noqa: BLE001 - another torch: the dispatcher path stays, slower on the host only
         log.info("fusenorm: direct graph calls unavailable on this torch (%s: %s)", type(e).__name__, e)

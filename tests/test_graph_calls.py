@@ -99,3 +99,27 @@ def test_profiler_names_the_direct_cuda_call(monkeypatch):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         assert call(_OnCuda()) == "ran"
     assert "fusenorm::mm_norm" in {e.name for e in prof.events()}
+
+
+def test_active_only_where_graphs_call_directly():
+    """The decision counts the direct call's host cost only where graphs make it: the Python wrapper, after
+    install succeeded."""
+    import torch._inductor.config as inductor_config
+
+    graph_calls.install()
+    assert graph_calls.active()
+    with inductor_config.patch({"cpp_wrapper": True}):
+        assert not graph_calls.active()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decision_counts_the_cheaper_direct_call(monkeypatch):
+    """The host cost the decision adds around a fused launch: the direct graph call's (wrapper, plan lookup,
+    output checks) is below the dispatcher's round trip, and both are measured (not zero)."""
+    from fusenorm_inductor.ops import measure
+
+    graph_calls.install()
+    direct = measure._call_overhead_us()
+    monkeypatch.setattr(graph_calls, "active", lambda: False)
+    dispatched = measure._call_overhead_us()
+    assert 0 < direct < dispatched, (direct, dispatched)

@@ -498,25 +498,52 @@ def _(x):
     return x.new_empty((0,))
 
 
-def fused_host_us(launch: Callable[[], object], gpu_ms: Optional[float] = None) -> Optional[float]:
-    """A fused op's host time per call: the custom op's dispatch and the launch plan's lookup (measured once
-    per process and device), plus ``launch``'s host time (``gpu_ms``: its GPU time, see ``host_us``).
+def _call_overhead_us() -> float:
+    """Host time per fused call outside the launch itself (measured once per process, device and call path):
+    with direct graph calls (graph_calls.py) the call wrapper, the launch plan's lookup and Inductor's size
+    checks on the op's outputs (up to four: y and what the backward keeps); otherwise the dispatcher's round
+    trip into the custom op and the plan's lookup."""
+    from .. import graph_calls
 
-    Compiled graphs no longer pay the dispatch (graph_calls.py: they call the launcher directly), so this
-    overstates their call by about 15-40 us. Kept on purpose until the regression cases of
-    benchmarks/bench_host_cost.py have run on the H200 with the lower figure: in a fused graph each call
-    also pays Inductor's checks of its outputs, which the isolated launch does not show (docs/design.md)."""
-    t = host_us(launch, gpu_ms=gpu_ms) if torch.cuda.is_available() else None
-    if t is None:
-        return None
-    key = ("dispatch_us", torch.cuda.current_device())
+    direct = graph_calls.active()
+    key = ("call_overhead_us", torch.cuda.current_device(), direct)
     if key not in _memo:
         with RealInputs():
             x = torch.empty(16, device="cuda")
-            op = torch.ops.fusenorm.host_probe.default
-            probe = host_us(lambda: (op(x), plan_key((x, x, None, x, x, None), 1e-5, True, None, False)), calls=100)
-        _memo[key] = {"us": probe or 0.0}
-    return t + _memo[key]["us"]
+            key_args = ((x, x, None, x, x, None), 1e-5, True, None, False)
+            if direct:
+                from torch._C._dynamo.guards import assert_size_stride
+
+                call = graph_calls.wrap("fusenorm::host_probe", _host_probe_cuda, _host_probe)
+
+                def probe():
+                    out = (call(x), x, x, x)
+                    plan_key(*key_args)
+                    for t in out[1:]:
+                        assert_size_stride(t, (16,), (1,))
+            else:
+                op = torch.ops.fusenorm.host_probe.default
+
+                def probe():
+                    op(x)
+                    plan_key(*key_args)
+            us = host_us(probe, calls=100)
+        _memo[key] = {"us": us or 0.0}
+    return _memo[key]["us"]
+
+
+def _host_probe_cuda(x: Tensor) -> Tensor:
+    return x.new_empty((0,))
+
+
+def fused_host_us(launch: Callable[[], object], gpu_ms: Optional[float] = None) -> Optional[float]:
+    """A fused op's host time per call in a compiled graph: ``launch``'s host time (``gpu_ms``: its GPU time,
+    see ``host_us``) plus what the call costs around it (``_call_overhead_us``: with direct graph calls about
+    the unfused pair's, through the dispatcher 15-40 us more; docs/design.md, "Graph calls")."""
+    t = host_us(launch, gpu_ms=gpu_ms) if torch.cuda.is_available() else None
+    if t is None:
+        return None
+    return t + _call_overhead_us()
 
 
 def unfused_host_us(device: torch.device) -> Optional[float]:
