@@ -33,14 +33,15 @@ rounded dn, an error of one rounding of dn * w * rstd, the size of dx's own fina
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import baseline, measure
+from .. import config as settings  # "config" names the GemmConfig arguments here
+from . import baseline, measure, mm_norm_kernels
 from ._triton_common import (
     FINALIZE_WARPS,
     TMA_MAX_BLOCK_N,
@@ -419,12 +420,38 @@ def _bwd_finalize_row_block(
 
 
 def _alloc(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Every buffer the launcher writes (outputs, partials, scratch) comes from here (tests poison it)."""
-    return torch.empty(shape, dtype=dtype, device=device)
+    """Every buffer the launcher writes (outputs, partials, scratch) comes from here (tests poison it); the
+    forward launcher's allocator (Inductor's ``_empty_strided_cuda`` where it can: less host time)."""
+    return mm_norm_kernels._alloc(shape, dtype, device)
 
 
-def backward_candidates(dy: Tensor, b: Tensor, n: int, out_bytes: int = 2) -> list[GemmConfig]:
-    """The configurations worth timing for this shape, best guess first (see forward_candidates)."""
+def gluon_unsupported(dy, b, extra, src, weight, mean, rstd, dx_dtype) -> Optional[str]:
+    """Why the Gluon sm_90 kernel (kernels/hopper/mm_norm_backward.py) cannot take these inputs; None when it
+    can."""
+    if not settings.gluon:
+        return "off (config.gluon / FUSENORM_GLUON)"
+    if _FORCE_BLOCK_N is not None:
+        return "test hook _FORCE_BLOCK_N set"
+    from ..kernels.hopper import _compat
+
+    if _compat.GLUON_ERROR is not None:  # the kernel module itself needs Gluon to import
+        return f"this triton has no usable Gluon ({_compat.GLUON_ERROR})"
+    from ..kernels.hopper import mm_norm_backward as hopper
+
+    return hopper.unsupported(dy, b, extra, src, weight, mean, rstd, dx_dtype)
+
+
+def backward_candidates(dy: Tensor, b: Tensor, n: int, out_bytes: int = 2, gluon_args: Optional[tuple] = None
+                        ) -> list[GemmConfig]:
+    """The configurations worth timing for this shape, best guess first (see forward_candidates).
+    ``gluon_args`` (extra, src, weight, mean, rstd, dx_dtype): when given and the Gluon kernel takes these
+    inputs, its configurations come first, then the ``tl`` kernels' best guess."""
+    if gluon_args is not None and gluon_unsupported(dy, b, *gluon_args) is None:
+        from ..kernels.hopper import mm_norm_backward as hopper
+
+        gluon = hopper.candidates(dy, b)
+        if gluon:
+            return gluon
     fixed, bk = fixed_candidates(dy, b, n, _FORCE_BLOCK_N, prefetch=True)
     if fixed is not None:
         return fixed
@@ -460,11 +487,14 @@ def mm_norm_backward_triton(
     dx_dtype: torch.dtype,
     config: Optional[GemmConfig] = None,
     gemm_only: bool = False,
+    plan_out: Optional[list] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dw, db) of ``mm_norm_backward_reference``; inputs already checked by the op.
 
     ``config``: one of ``backward_candidates``; None asks ``backward_config``. ``gemm_only`` (TMA
-    configs only): dx = dy @ b + extra, no norm (the benchmark's GEMM base)."""
+    configs only): dx = dy @ b + extra, no norm (the benchmark's GEMM base). ``plan_out``: where a Gluon
+    launch appends a function that launches the same again on inputs of the same signature
+    (``mm_norm_backward_cuda`` caches it)."""
     m, k = dy.shape
     n = b.shape[1]
     dev = dy.device
@@ -477,8 +507,25 @@ def mm_norm_backward_triton(
         db = torch.zeros((n,) if has_bias else (0,), dtype=f32, device=dev)
         return dx, dw, db
 
+    explicit = config is not None  # a caller timing this config (tuning, tests) hears that it cannot run
     if config is None:
         config = backward_config(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype)
+    if config.kind.startswith("gl_"):
+        from ..kernels.hopper.mm_norm import SpillError
+        from ..kernels.hopper.mm_norm_backward import BackwardPlan
+
+        try:
+            plan = BackwardPlan(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, config,
+                                lambda shape, dtype: _alloc(shape, dtype, dev), dx)
+            dw, db = plan(dy, b, extra, src, weight, mean, rstd, dx)
+            if plan_out is not None:
+                plan_out.append(_gluon_launcher(plan, m, n, dx_dtype, dev))
+            return dx, dw, db
+        except SpillError:
+            if explicit:
+                raise
+            # the tl kernels' first choice
+            config = backward_candidates(dy, b, n, 4 if dx_dtype == torch.float32 else 2)[0]
     if config.kind == "spin" and triton.cdiv(n, config.block_n) > num_sms(dev):
         tiles = triton.cdiv(n, config.block_n)
         raise ValueError(f"{config.label()}: a row block's {tiles} tiles cannot all be resident (spin exchange)")
@@ -585,15 +632,20 @@ def measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_norme
         t_mm = measure.gemm_ms(rdy, rb, None)
         t_est = measure.plus(t_mm, measure.norm_proxy_ms(rdy.shape[0], rb.shape[1], rdy.dtype, 3, dy.device))
         best, times = measure.time_candidates(
-            backward_candidates(rdy, rb, rb.shape[1], 4 if dx_dtype == torch.float32 else 2),
+            backward_candidates(rdy, rb, rb.shape[1], 4 if dx_dtype == torch.float32 else 2,
+                                (rextra, rsrc, rw, rmean, rstd_r, dx_dtype)),
             lambda c: mm_norm_backward_triton(
                 rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms, src_is_normed, has_bias, dx_dtype, config=c
             ),
             t_est,
         )
-        h = measure.fused_host_us(lambda: mm_norm_backward_triton(
-            rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms, src_is_normed, has_bias, dx_dtype, config=best),
-            times[best])
+        # The host time of the call a compiled graph makes: the cached launch plan where the launcher makes one.
+        made: list = []
+        full = lambda: mm_norm_backward_triton(  # noqa: E731
+            rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms, src_is_normed, has_bias, dx_dtype, config=best,
+            plan_out=made)
+        h = measure.fused_host_us(lambda: made[0](rdy, rb, rextra, rsrc, rw, rmean, rstd_r) if made else full(),
+                                  times[best])
         ind = baseline.unfused_where_it_counts(
             dy.device, times[best], h, t_est, best.label(),
             baseline.dgrad_norm_fn(rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms, src_is_normed, has_bias,
@@ -607,6 +659,37 @@ def backward_config(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed
     return measure.tuned_config(
         measure.backward_key(dy, b, extra, src, weight, is_rms, src_is_normed, has_bias, dx_dtype),
         dy.device,
-        lambda: backward_candidates(dy, b, b.shape[1], 4 if dx_dtype == torch.float32 else 2),
+        lambda: backward_candidates(dy, b, b.shape[1], 4 if dx_dtype == torch.float32 else 2,
+                                    (extra, src, weight, mean, rstd, dx_dtype)),
         lambda: measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype),
     )
+
+
+_PLANS: dict[tuple, Callable] = {}  # plan_key -> launcher (mm_norm_backward_cuda)
+
+
+def _gluon_launcher(plan, m: int, n: int, dx_dtype, dev) -> Callable:
+    def launch(dy, b, extra, src, weight, mean, rstd):
+        dx = _alloc((m, n), dx_dtype, dev)
+        dw, db = plan(dy, b, extra, src, weight, mean, rstd, dx)
+        return dx, dw, db
+
+    return launch
+
+
+def mm_norm_backward_cuda(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype, check):
+    """The CUDA kernel of ``fusenorm::mm_norm_backward`` as compiled graphs call it (as mm_norm_cuda): the
+    launch plan cached for this argument signature, else ``check()`` and the full launcher, whose plan is
+    kept when it made one (the Gluon path; not while a CUDA graph is captured)."""
+    key = measure.plan_key((dy, b, extra, src, weight, mean, rstd), is_rms, src_is_normed, has_bias, dx_dtype,
+                           settings.gluon, _FORCE_BLOCK_N)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan(dy, b, extra, src, weight, mean, rstd)
+    check()
+    made: list = []
+    out = mm_norm_backward_triton(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype,
+                                  plan_out=made)
+    if made and not torch.cuda.is_current_stream_capturing():
+        _PLANS[key] = made[0]
+    return out

@@ -76,7 +76,14 @@ def backward_choice(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed
                                                          src_is_normed, has_bias, dx_dtype)
 
     key = measure.backward_key(dy, b, extra, src, weight, is_rms, src_is_normed, has_bias, dx_dtype)
-    return _choice(key, dy.device, measure_fn, lambda: _default_label(dy))
+    choice = _choice(key, dy.device, measure_fn, lambda: _default_label(dy))
+    if dy.device.type == "cuda" and not choice.config.startswith("gl_"):
+        from .mm_norm_backward_kernels import gluon_unsupported
+
+        why = gluon_unsupported(dy, b, extra, src, weight, mean, rstd, dx_dtype)
+        if why is not None:
+            choice = replace(choice, reason=f"{choice.reason}; Gluon sm_90 path not taken: {why}")
+    return choice
 
 
 def prenorm_choice(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype) -> Choice:

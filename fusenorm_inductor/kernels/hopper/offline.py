@@ -69,10 +69,10 @@ def _resource_usage(cubin: bytes) -> dict:
 
 
 def _compile_one(v: dict) -> dict:
-    from . import mm_norm
+    from . import mm_norm, mm_norm_backward
 
     try:
-        c = mm_norm.compile_variant(v)
+        c = (mm_norm_backward if v.get("op") == "mm_norm_backward" else mm_norm).compile_variant(v)
         return dict(v, ok=True, registers=c.registers, spill_bytes=c.spill_bytes, shared=c.shared,
                     cluster_barrier="barrier.cluster.arrive" in c.ptx and "barrier.cluster.wait" in c.ptx)
     except Exception as e:  # noqa: BLE001 - reported per variant
@@ -85,20 +85,20 @@ def _compile_one(v: dict) -> dict:
 
 def main(argv=None) -> int:
     """``python -m fusenorm_inductor.kernels.hopper.offline [--jobs J]``: compile every variant the dispatch
-    can launch (``mm_norm.offline_variants``) for sm_90a and print one JSON object per line. Must run
+    can launch (``mm_norm.offline_variants`` and ``mm_norm_backward.offline_variants``) for sm_90a and print one JSON object per line. Must run
     without TRITON_INTERPRET (the interpreter replaces the jit functions the compiler needs)."""
     import argparse
     import json
     from concurrent.futures import ProcessPoolExecutor
 
-    from . import mm_norm
+    from . import mm_norm, mm_norm_backward
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the sm_90 compile needs the real compiler")
-    variants = mm_norm.offline_variants()
+    variants = mm_norm.offline_variants() + mm_norm_backward.offline_variants()
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for res in pool.map(_compile_one, variants):
             print(json.dumps(res), flush=True)

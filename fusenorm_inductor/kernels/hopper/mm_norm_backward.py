@@ -1,0 +1,353 @@
+"""Regrouped norm backward on the Hopper GEMM core: ``dx = norm_backward(dy @ b + extra)``
+(``fusenorm::mm_norm_backward``, ops/mm_norm_backward.py).
+
+Semantics are ``mm_norm_backward_reference``'s: ``dn = dy @ b + extra`` accumulated in fp32, the row
+statistics the forward saved (rstd, and for LayerNorm from x the mean), ``x_hat`` either the saved hh
+(``src_is_normed``) or rebuilt from x, then per row ``g = dn * w``,
+``dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))`` (RMSNorm: without ``mean(g)``), dx rounded once to
+its dtype; dw = sum over rows of ``dn * x_hat`` and db = sum of ``dn``, fp32.
+
+The epilogue (``_bwd_epilogue``) takes the dgrad accumulator tile from the core (gemm_core.py; b read as
+row-major [K, N], the next linear's weight, or as W.t()). A row of dn fits one tile (N <= 256, the tile
+schedule): ``extra`` and then the saved src come in by TMA through the tile's staging buffer, the two row
+sums are register shuffles, dx leaves by TMA through the same buffer. dn never leaves the SM. dw and db: each
+tile writes its column sums to an fp32 scratch row of its own ([row blocks, N padded to the tile]); the
+launcher sums the scratch over row blocks, in a fixed order (the same bits run to run). Rows wider than a
+tile (the cluster exchange of the forward) are not on this path yet: the dispatch keeps the ``tl`` kernel
+there.
+
+Launcher: ``unsupported`` says why an input cannot take this path, ``candidates`` lists configurations,
+``BackwardPlan`` launches one (made once per argument signature).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from ...ops._triton_common import num_sms
+from . import launch as L
+from ._compat import GLUON_ERROR, gl, gluon, mbarrier, thread_barrier, tma, tma_load
+from .epilogues import load_vector, stage_store, tile_index
+from .gemm_core import gemm_ws
+from .mm_norm import LOAD_REGS, MAX_TILE_N, MMA_REGS, _descriptor, _padded, _tma_ok, b_layout, pow2_tile
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _load_tile(desc, off_m, off_n, buf, epi_bar, phase, layout: gl.constexpr):
+    """A [BM, BN] tile of desc through the staging buffer, as fp32 in the accumulator's layout (zero-filled
+    out of bounds). The caller has waited for the buffer's previous store."""
+    mbarrier.expect(epi_bar, desc.block_type.nbytes)
+    tma_load(desc, [off_m, off_n], epi_bar, buf)
+    mbarrier.wait(epi_bar, phase)
+    return buf.load(layout).to(gl.float32)
+
+
+@gluon.jit
+def _bwd_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it, eargs,
+                  FLAGS: gl.constexpr, M, N, layout: gl.constexpr):
+    dx_desc = eargs[0]
+    extra_desc = eargs[1]
+    src_desc = eargs[2]
+    w_ptr = eargs[3]
+    mean_ptr = eargs[4]
+    rstd_ptr = eargs[5]
+    dw_ptr = eargs[6]
+    db_ptr = eargs[7]
+    HAS_EXTRA: gl.constexpr = (FLAGS & 1) != 0
+    HAS_W: gl.constexpr = (FLAGS & 2) != 0
+    HAS_DB: gl.constexpr = (FLAGS & 4) != 0
+    IS_RMS: gl.constexpr = (FLAGS & 8) != 0
+    NORMED: gl.constexpr = (FLAGS & 16) != 0  # src is x_hat (the forward's hh), not x
+    BM: gl.constexpr = c_bufs.type.shape[1]
+    BN: gl.constexpr = c_bufs.type.shape[2]
+    LOADS: gl.constexpr = 2 if HAS_EXTRA else 1  # epi_bar completions per tile
+    loads = it * LOADS
+    rows, cols, rmask, cmask = tile_index(off_m, off_n, M, N, BM, BN, layout)
+    buf = c_bufs.index(buf0)
+    tma.store_wait(0)  # the previous tile's dx has left the staging buffer
+    dn = acc
+    if HAS_EXTRA:
+        dn = dn + _load_tile(extra_desc, off_m, off_n, buf, epi_bar, loads & 1, layout)
+        loads += 1
+        thread_barrier()  # every thread has read extra before src lands in the buffer
+    # Rows past M: dn is 0 there (TMA zero-fills dy and extra), and rstd is loaded as 0: they add nothing to
+    # dw/db and their dx is clipped by the store. Columns past N: dn and w (padded) are 0, so g is 0 there
+    # and x_hat's value does not matter.
+    rstd = gl.expand_dims(gl.load(rstd_ptr + rows, mask=rmask, other=0.0), 1)
+    mean = rstd
+    if not NORMED and not IS_RMS:
+        mean = gl.expand_dims(gl.load(mean_ptr + rows, mask=rmask, other=0.0), 1)
+    mbarrier.expect(epi_bar, src_desc.block_type.nbytes)
+    tma_load(src_desc, [off_m, off_n], epi_bar, buf)
+    # dw / db: this tile's column sums, one scratch row of BN per row block (each written once: N <= BN)
+    slot = (off_m // BM) * BN
+    if HAS_DB:
+        gl.store(db_ptr + slot + cols, gl.sum(dn, axis=0))
+    mbarrier.wait(epi_bar, loads & 1)
+    # x_hat is read from the staging buffer at each of its three uses rather than kept: dn (then g) and x_hat
+    # both in registers spilled at 64 x 256 and 128 x 128 tiles (offline compile). The barriers keep the
+    # compiler from merging the reads.
+    if HAS_W:
+        gl.store(dw_ptr + slot + cols, gl.sum(dn * _x_hat(buf, mean, rstd, FLAGS, layout), axis=0))
+        dn = dn * load_vector(w_ptr, cols)  # g
+        thread_barrier()
+    c1 = gl.expand_dims(gl.sum(dn * _x_hat(buf, mean, rstd, FLAGS, layout), axis=1) / N, 1)
+    if not IS_RMS:
+        c1_ = gl.expand_dims(gl.sum(dn, axis=1) / N, 1)
+        dn = dn - c1_
+    thread_barrier()
+    dx = (dn - _x_hat(buf, mean, rstd, FLAGS, layout) * c1) * rstd
+    thread_barrier()  # every thread has read src before dx is staged into the buffer
+    stage_store(dx, dx_desc, buf, off_m, off_n)
+
+
+@gluon.jit
+def _x_hat(buf, mean, rstd, FLAGS: gl.constexpr, layout: gl.constexpr):
+    """The normalized row tile from the staging buffer: hh as saved, or rebuilt from x and the statistics."""
+    IS_RMS: gl.constexpr = (FLAGS & 8) != 0
+    NORMED: gl.constexpr = (FLAGS & 16) != 0
+    x = buf.load(layout).to(gl.float32)
+    if NORMED:
+        return x
+    elif IS_RMS:
+        return x * rstd
+    else:
+        return (x - mean) * rstd
+
+
+@gluon.jit
+def mm_norm_bwd_kernel(a_desc, b_desc, dx_desc, extra_desc, src_desc, w_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr,
+                       M, N, K,
+                       HAS_EXTRA: gl.constexpr, HAS_W: gl.constexpr, HAS_DB: gl.constexpr, IS_RMS: gl.constexpr,
+                       NORMED: gl.constexpr, NUM_STAGES: gl.constexpr, NCONS: gl.constexpr, B_KN: gl.constexpr,
+                       LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+                       num_warps: gl.constexpr):
+    eargs = (dx_desc, extra_desc, src_desc, w_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr)
+    FLAGS: gl.constexpr = HAS_EXTRA * 1 + HAS_W * 2 + HAS_DB * 4 + IS_RMS * 8 + NORMED * 16
+    gemm_ws(a_desc, b_desc, dx_desc, M, N, K, _bwd_epilogue, eargs, FLAGS, 1, False, NUM_STAGES, 1, 1, NCONS, B_KN,
+            LOAD_WARPS, LOAD_REGS, MMA_REGS, num_warps)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------------------
+
+
+def unsupported(dy, b, extra, src, weight, mean, rstd, dx_dtype) -> Optional[str]:
+    """Why these inputs cannot run on this path (None when they can); checks what fake tensors carry, and
+    the alignment of real storage."""
+    if GLUON_ERROR is not None:
+        return f"this triton has no usable Gluon ({GLUON_ERROR})"
+    if dy.device.type != "cuda":
+        return "not on CUDA"
+    if torch.cuda.get_device_capability(dy.device)[0] != 9:
+        return "not an sm_90 GPU"
+    if dy.dtype not in (torch.float16, torch.bfloat16):
+        return f"{dy.dtype} operands (TMA/wgmma path: fp16/bf16)"
+    m, k = dy.shape
+    n = b.shape[1]
+    if n > MAX_TILE_N:
+        return f"N={n}: rows wider than one {MAX_TILE_N}-column tile are not on this path yet"
+    if k % 8 or n % 8:
+        return f"K={k} or N={n} not a multiple of 8 (TMA rows must be 16-byte aligned)"
+    if dy.stride() != (k, 1):
+        return "dy is not row-major contiguous"
+    if b_layout(dy, b) is None:
+        return "b is neither W.t() of a row-major W nor row-major"
+    if dx_dtype != dy.dtype:
+        return f"dx dtype {dx_dtype} differs from the operands'"
+    for name, t in (("extra", extra), ("src", src)):
+        if t is not None and (t.dtype != dy.dtype or t.stride() != (n, 1)):
+            return f"{name} not row-major in the operands' dtype"
+    if weight is not None and weight.stride(0) != 1:
+        return "weight not contiguous"
+    if not isinstance(dy, torch._subclasses.FakeTensor):
+        for name, t in (("dy", dy), ("b", b.t() if b_layout(dy, b) == "nk" else b), ("extra", extra), ("src", src)):
+            if t is not None and not _tma_ok(t):
+                return f"{name}'s storage is not 16-byte aligned"
+    return None
+
+
+def candidates(dy: Tensor, b: Tensor) -> list:
+    """Configurations worth timing, best guess first. The epilogue holds two fp32 tiles (dn and x_hat), so a
+    consumer of 4 warps takes 64-row tiles of up to 256 columns or 128-row tiles of up to 128."""
+    k = dy.shape[1]
+    n = b.shape[1]
+    bk = 64 if k >= 64 else 32
+    bn = pow2_tile(n)
+    if bn <= 128:
+        out = [_fit_bwd("gl_pp", 128, bn, bk, 6, 4), _fit_bwd("gl_coop", 128, bn, bk, 6, 4),
+               _fit_bwd("gl_pp", 64, bn, bk, 6, 4)]
+    else:
+        out = [_fit_bwd("gl_pp", 64, bn, bk, 4, 4), _fit_bwd("gl_coop", 64, bn, bk, 4, 4)]
+    return [c for c in out if c is not None and c.stages >= 2]
+
+
+# Shared memory the epilogue's cross-warp column sums (dw, db) take besides the core's stages and staging
+# tiles (ptxas reported ~4 KB more than L.smem_bytes at 128 x 128 tiles).
+_REDUCE_BYTES = 8192
+
+
+def _fit_bwd(kind: str, bm: int, bn: int, bk: int, stages: int, warps: int):
+    """The config with the most stages (down to 2) that fits shared memory with one staging tile per
+    consumer and the column sums' scratch; None when none does."""
+    from ...ops._triton_common import GemmConfig
+
+    staging = 2 if kind == "gl_pp" else 1
+    for st in range(stages, 1, -1):
+        if L.smem_bytes(bm, bn, bk, st, staging) + _REDUCE_BYTES <= L.SMEM_LIMIT:
+            return GemmConfig(kind, bm, bn, bk, st, warps)
+    return None
+
+
+class Launch(NamedTuple):
+    ncons: int  # consumer partitions (2: ping-pong)
+    load_warps: int
+    num_warps: int  # of each consumer partition
+    maxnreg: int
+
+
+def launch_shape(config) -> Launch:
+    ncons = 2 if config.kind == "gl_pp" else 1
+    warps = 4 if ncons == 2 else config.warps
+    return Launch(ncons, 1, warps, L.maxnreg(L.padded_warps(1) + warps * ncons))
+
+
+_RUNTIME = ("a_desc", "b_desc", "dx_desc", "extra_desc", "src_desc", "w_ptr", "mean_ptr", "rstd_ptr", "dw_ptr",
+            "db_ptr", "M", "N", "K")
+_PARAMS = _RUNTIME + ("HAS_EXTRA", "HAS_W", "HAS_DB", "IS_RMS", "NORMED", "NUM_STAGES", "NCONS", "B_KN",
+                      "LOAD_WARPS", "LOAD_REGS", "MMA_REGS", "num_warps")
+
+
+def _constexprs(config, shape: Launch, b_kn: bool, *, extra: bool, has_w: bool, has_db: bool, is_rms: bool,
+                normed: bool) -> dict:
+    return dict(HAS_EXTRA=extra, HAS_W=has_w, HAS_DB=has_db, IS_RMS=is_rms, NORMED=normed,
+                NUM_STAGES=config.stages, NCONS=shape.ncons, B_KN=b_kn, LOAD_WARPS=shape.load_warps,
+                LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS)
+
+
+def _operands(dy, b, extra, src, weight, mean, rstd, dx, dw_part, db_part, kn: bool, bn: int) -> tuple[tuple, tuple]:
+    """The call's values of ``_RUNTIME``: the five tensors behind the TMA descriptors, then the rest."""
+    m, k = dy.shape
+    n = b.shape[1]
+    descs = (dy, b if kn else b.t(), dx, extra if extra is not None else dx, src)
+    weight = _padded(weight, bn)
+    rest = (weight if weight is not None else rstd, mean if mean is not None and mean.numel() else rstd, rstd,
+            dw_part, db_part, m, n, k)
+    return descs, rest
+
+
+class BackwardPlan:
+    """One launch configuration of ``mm_norm_bwd_kernel``, made once per argument signature (as
+    mm_norm.ForwardPlan): the compiled kernel, its grid and compile-time arguments; calling it launches on
+    new buffers of the same shapes, strides, dtypes and alignment. Raises ``mm_norm.SpillError`` when the
+    specialization spills (never launched)."""
+
+    def __init__(self, dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, config, alloc, dx):
+        from .mm_norm import ALLOW_SPILLS, SpillError
+
+        m = dy.shape[0]
+        self.config, self.alloc = config, alloc
+        self.has_w, self.has_db = weight is not None, bool(has_bias)
+        self.shape = shape = launch_shape(config)
+        self.kn = b_layout(dy, b) == "kn"
+        self.row_blocks = -(-m // config.block_m)
+        dw_part, db_part = self._scratch()
+        descs, rest = _operands(dy, b, extra, src, weight, mean, rstd, dx, dw_part, db_part, self.kn,
+                                config.block_n)
+        bm, bn, bk = config.block_m, config.block_n, config.block_k
+        blocks = ([bm, bk], [bk, bn] if self.kn else [bn, bk], [bm, bn], [bm, bn], [bm, bn])
+        args = tuple(_descriptor(t, blk) for t, blk in zip(descs, blocks)) + rest
+        consts = _constexprs(config, shape, self.kn, extra=extra is not None, has_w=self.has_w, has_db=self.has_db,
+                             is_rms=bool(is_rms), normed=bool(src_is_normed))
+        self.consts = tuple(consts[p] for p in _PARAMS[len(_RUNTIME):-1])
+        compiled = L.compiled_kernel(mm_norm_bwd_kernel, args + self.consts, 1, num_warps=shape.num_warps,
+                                     maxnreg=shape.maxnreg)
+        if getattr(compiled, "n_spills", 0) and not ALLOW_SPILLS:
+            raise SpillError(f"{config.label()}: this specialization spills registers ({compiled.n_spills})")
+        self.compiled = compiled
+        self.fast = L.fast_launcher(compiled, 5, shape.num_warps, dy.device)
+        self.blocks = blocks
+        self.grid = min(self.row_blocks, num_sms(dy.device))
+
+    def _scratch(self) -> tuple[Tensor, Tensor]:
+        bn = self.config.block_n
+        dw = self.alloc((self.row_blocks, bn), torch.float32) if self.has_w else None
+        db = self.alloc((self.row_blocks, bn), torch.float32) if self.has_db else None
+        any_ = dw if dw is not None else (db if db is not None else self.alloc((1,), torch.float32))
+        return (dw if dw is not None else any_), (db if db is not None else any_)
+
+    def __call__(self, dy, b, extra, src, weight, mean, rstd, dx) -> tuple[Tensor, Tensor]:
+        """Launch into dx; returns (dw, db) [N] fp32 (0-size when absent)."""
+        dw_part, db_part = self._scratch()
+        descs, rest = _operands(dy, b, extra, src, weight, mean, rstd, dx, dw_part, db_part, self.kn,
+                                self.config.block_n)
+        if self.fast is not None:
+            self.fast(self.grid, descs, rest + self.consts)
+        else:
+            args = tuple(_descriptor(t, blk) for t, blk in zip(descs, self.blocks)) + rest
+            L.run(self.compiled, self.grid, args + self.consts, self.shape.num_warps)
+        n = b.shape[1]
+        # over row blocks in a fixed order: the same bits run to run
+        dw = dw_part.sum(0)[:n] if self.has_w else dy.new_empty((0,), dtype=torch.float32)
+        db = db_part.sum(0)[:n] if self.has_db else dy.new_empty((0,), dtype=torch.float32)
+        return dw, db
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Offline compile (CPU tests, CI)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def compile_offline(config, k: int, *, is_rms: bool, affine: bool, extra: bool, normed: bool, b_kn: bool = True):
+    """Compile the kernel ``BackwardPlan`` would launch for this config and flags, for sm_90a, on the CPU."""
+    from .offline import compile_sm90, descriptor_type
+
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    shape = launch_shape(config)
+    values = dict(
+        a_desc=descriptor_type([bm, bk]), b_desc=descriptor_type([bk, bn] if b_kn else [bn, bk]),
+        dx_desc=descriptor_type([bm, bn]), extra_desc=descriptor_type([bm, bn]), src_desc=descriptor_type([bm, bn]),
+        w_ptr="*bf16", mean_ptr="*fp32", rstd_ptr="*fp32", dw_ptr="*fp32", db_ptr="*fp32", M="i32", N="i32",
+        K="i32",
+    )
+    constexprs = _constexprs(config, shape, b_kn, extra=extra, has_w=affine, has_db=affine and not is_rms,
+                             is_rms=is_rms, normed=normed)
+    constexprs["num_warps"] = shape.num_warps
+    signature = {p: values.get(p, "constexpr") for p in _PARAMS}
+    return compile_sm90(mm_norm_bwd_kernel, signature, constexprs, shape.num_warps, shape.maxnreg)
+
+
+OFFLINE_NS = (40, 64, 128, 200, 256)
+OFFLINE_FLAGS = {
+    "ln_full": dict(is_rms=False, affine=True, extra=True, normed=False),
+    "ln_normed": dict(is_rms=False, affine=True, extra=False, normed=True),
+    "rms_full": dict(is_rms=True, affine=True, extra=True, normed=False),
+    "ln_bare": dict(is_rms=False, affine=False, extra=False, normed=False),
+}
+
+
+def offline_variants() -> list[dict]:
+    """Every distinct configuration ``candidates`` produces over a grid of N, with the epilogue's flag sets."""
+    seen = {}
+    for n in OFFLINE_NS:
+        for k in (40, 512):
+            dy = torch.empty((1024, k), device="meta", dtype=torch.bfloat16)
+            b = torch.empty((k, n), device="meta", dtype=torch.bfloat16)
+            for cfg in candidates(dy, b):
+                seen.setdefault(cfg, n)
+    return [dict(op="mm_norm_backward", config=list(cfg), n=n, flags=f, save_normed=False, gemm_only=False,
+                 b_kn=True) for cfg, n in seen.items() for f in OFFLINE_FLAGS]
+
+
+def compile_variant(v: dict):
+    from ...ops._triton_common import GemmConfig
+
+    return compile_offline(GemmConfig(*v["config"]), 512, **OFFLINE_FLAGS[v["flags"]])
