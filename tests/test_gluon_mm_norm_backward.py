@@ -1,7 +1,7 @@
 """The Gluon sm_90 regrouped backward (kernels/hopper/mm_norm_backward.py) on the GPU, against the fp32 reference.
 
 Every configuration the dispatch can pick runs at odd shapes (M = 257 and 1000; N = 40, 128, 200, 256: one
-tile per row, masked and whole; K = 40 and 200), with extra, weight and bias, src the norm's input and b the
+tile per row, masked and whole; N = 320, 1000, 2048: rows over clusters of 2, 4 and 8 CTAs; K = 40 and 200), with extra, weight and bias, src the norm's input and b the
 next linear's row-major weight (the "full" case), and with none of them, src the saved hh and b as W.t()
 (the "bare" case); LayerNorm from x at |mean| / std = 1000; dw and db the same bits run to run; inputs the
 path cannot take fall back to the ``tl`` kernels (right results, the Gluon plan never made). Every buffer
@@ -78,7 +78,7 @@ def _check_every_candidate(args, plans):
 
 
 @pytest.mark.parametrize("case", ["full", "bare"])
-@pytest.mark.parametrize("n", [40, 128, 200, 256])
+@pytest.mark.parametrize("n", [40, 128, 200, 256, 320, 1000, 2048])
 @pytest.mark.parametrize("m", [257, 1000])
 @NORMS
 def test_every_candidate_matches_reference(m, n, case, is_rms, plans):
@@ -95,7 +95,7 @@ def test_normed_layernorm_with_extra_and_affine(plans):
     _check_every_candidate(tuple(args), plans)
 
 
-@pytest.mark.parametrize("n", [128, 256])
+@pytest.mark.parametrize("n", [128, 256, 1000])
 def test_layernorm_from_x_at_large_mean(n, plans):
     """x = 1000 + N(0, 2): x_hat is rebuilt as (x - mean) * rstd in fp32 (not x * rstd - mean * rstd, which
     cancels at |mean| / std = 1000)."""
@@ -106,7 +106,7 @@ def test_layernorm_from_x_at_large_mean(n, plans):
     _check_every_candidate(tuple(args), plans)
 
 
-@pytest.mark.parametrize("n", [40, 256])
+@pytest.mark.parametrize("n", [40, 256, 1000])
 def test_same_bits_run_to_run(n):
     args = TARGET.bwd_args(BWD_CASES["full"], 4099, 512, n, BF16, False)
     cfg = bwd_k.backward_candidates(args[0], args[1], n, 2, _gluon_args(args))[0]
@@ -133,7 +133,7 @@ def test_cached_plan_relaunch_through_the_op():
 
 
 FALLBACKS = {
-    "n_too_wide": lambda args: args,  # N = 320: rows over two tiles
+    "n_too_wide": lambda args: args,  # N = 2304: rows over 9 tiles, more than a cluster of 8
     "fp32": lambda args: tuple(t.float() if isinstance(t, torch.Tensor) and t.dtype == BF16 else t
                                for t in args[:10]) + (torch.float32,),
     "dy_noncontiguous": lambda args: (kc.col_major(args[0]),) + args[1:],
@@ -143,7 +143,7 @@ FALLBACKS = {
 
 @pytest.mark.parametrize("name", FALLBACKS)
 def test_fallbacks_are_correct(name, plans):
-    n = 320 if name == "n_too_wide" else 128
+    n = 2304 if name == "n_too_wide" else 128
     args = FALLBACKS[name](TARGET.bwd_args(BWD_CASES["full"], 257, 200, n, BF16, False))
     assert bwd_k.gluon_unsupported(args[0], args[1], *_gluon_args(args)) is not None
     TARGET.check_backward(args)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ...ops._triton_common import num_sms
 from . import launch as L
-from ._compat import GLUON_ERROR, gl, gluon, mbarrier, thread_barrier, tma, tma_load
+from ._compat import GLUON_ERROR, cluster_arrive, cluster_wait, gl, gluon, mbarrier, thread_barrier, tma, tma_load
 from .epilogues import load_vector, stage_store, tile_index
 from .gemm_core import gemm_ws
 from .mm_norm import LOAD_REGS, MAX_TILE_N, MMA_REGS, _descriptor, _padded, _tma_ok, b_layout, pow2_tile
@@ -60,11 +60,14 @@ def _bwd_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it
     rstd_ptr = eargs[5]
     dw_ptr = eargs[6]
     db_ptr = eargs[7]
+    p1_ptr = eargs[8]
+    p2_ptr = eargs[9]
     HAS_EXTRA: gl.constexpr = (FLAGS & 1) != 0
     HAS_W: gl.constexpr = (FLAGS & 2) != 0
     HAS_DB: gl.constexpr = (FLAGS & 4) != 0
     IS_RMS: gl.constexpr = (FLAGS & 8) != 0
     NORMED: gl.constexpr = (FLAGS & 16) != 0  # src is x_hat (the forward's hh), not x
+    C: gl.constexpr = FLAGS >> 5  # CTAs per cluster: the row's tiles (1: the row fits one tile)
     BM: gl.constexpr = c_bufs.type.shape[1]
     BN: gl.constexpr = c_bufs.type.shape[2]
     LOADS: gl.constexpr = 2 if HAS_EXTRA else 1  # epi_bar completions per tile
@@ -86,8 +89,8 @@ def _bwd_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it
         mean = gl.expand_dims(gl.load(mean_ptr + rows, mask=rmask, other=0.0), 1)
     mbarrier.expect(epi_bar, src_desc.block_type.nbytes)
     tma_load(src_desc, [off_m, off_n], epi_bar, buf)
-    # dw / db: this tile's column sums, one scratch row of BN per row block (each written once: N <= BN)
-    slot = (off_m // BM) * BN
+    # dw / db: this tile's column sums, one scratch row of C * BN per row block (each element written once)
+    slot = (off_m // BM) * (C * BN)
     if HAS_DB:
         gl.store(db_ptr + slot + cols, gl.sum(dn, axis=0))
     mbarrier.wait(epi_bar, loads & 1)
@@ -98,10 +101,28 @@ def _bwd_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it
         gl.store(dw_ptr + slot + cols, gl.sum(dn * _x_hat(buf, mean, rstd, FLAGS, layout), axis=0))
         dn = dn * load_vector(w_ptr, cols)  # g
         thread_barrier()
-    c1 = gl.expand_dims(gl.sum(dn * _x_hat(buf, mean, rstd, FLAGS, layout), axis=1) / N, 1)
+    c1 = gl.sum(dn * _x_hat(buf, mean, rstd, FLAGS, layout), axis=1)
+    c2 = c1
     if not IS_RMS:
-        c1_ = gl.expand_dims(gl.sum(dn, axis=1) / N, 1)
-        dn = dn - c1_
+        c2 = gl.sum(dn, axis=1)
+    if C > 1:
+        # The row's other tiles are on the cluster's other CTAs: publish this tile's two sums (slot pn of C per
+        # row), cross the cluster barrier, read all C back (.cg: past this SM's L1) and add them in slot order.
+        gl.store(p1_ptr + rows * C + pn, c1, mask=rmask)
+        if not IS_RMS:
+            gl.store(p2_ptr + rows * C + pn, c2, mask=rmask)
+        cluster_arrive()
+        cluster_wait()
+        c1 = gl.load(p1_ptr + rows * C, mask=rmask, other=0.0, cache_modifier=".cg")
+        for r in gl.static_range(1, C):
+            c1 += gl.load(p1_ptr + rows * C + r, mask=rmask, other=0.0, cache_modifier=".cg")
+        if not IS_RMS:
+            c2 = gl.load(p2_ptr + rows * C, mask=rmask, other=0.0, cache_modifier=".cg")
+            for r in gl.static_range(1, C):
+                c2 += gl.load(p2_ptr + rows * C + r, mask=rmask, other=0.0, cache_modifier=".cg")
+    c1 = gl.expand_dims(c1 / N, 1)
+    if not IS_RMS:
+        dn = dn - gl.expand_dims(c2 / N, 1)
     thread_barrier()
     dx = (dn - _x_hat(buf, mean, rstd, FLAGS, layout) * c1) * rstd
     thread_barrier()  # every thread has read src before dx is staged into the buffer
@@ -124,14 +145,14 @@ def _x_hat(buf, mean, rstd, FLAGS: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def mm_norm_bwd_kernel(a_desc, b_desc, dx_desc, extra_desc, src_desc, w_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr,
-                       M, N, K,
+                       p1_ptr, p2_ptr, M, N, K,
                        HAS_EXTRA: gl.constexpr, HAS_W: gl.constexpr, HAS_DB: gl.constexpr, IS_RMS: gl.constexpr,
-                       NORMED: gl.constexpr, NUM_STAGES: gl.constexpr, NCONS: gl.constexpr, B_KN: gl.constexpr,
-                       LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+                       NORMED: gl.constexpr, NUM_STAGES: gl.constexpr, C: gl.constexpr, NCONS: gl.constexpr,
+                       B_KN: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
                        num_warps: gl.constexpr):
-    eargs = (dx_desc, extra_desc, src_desc, w_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr)
-    FLAGS: gl.constexpr = HAS_EXTRA * 1 + HAS_W * 2 + HAS_DB * 4 + IS_RMS * 8 + NORMED * 16
-    gemm_ws(a_desc, b_desc, dx_desc, M, N, K, _bwd_epilogue, eargs, FLAGS, 1, False, NUM_STAGES, 1, 1, NCONS, B_KN,
+    eargs = (dx_desc, extra_desc, src_desc, w_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr, p1_ptr, p2_ptr)
+    FLAGS: gl.constexpr = HAS_EXTRA * 1 + HAS_W * 2 + HAS_DB * 4 + IS_RMS * 8 + NORMED * 16 + C * 32
+    gemm_ws(a_desc, b_desc, dx_desc, M, N, K, _bwd_epilogue, eargs, FLAGS, 1, C > 1, NUM_STAGES, C, 1, NCONS, B_KN,
             LOAD_WARPS, LOAD_REGS, MMA_REGS, num_warps)
 
 
@@ -153,8 +174,9 @@ def unsupported(dy, b, extra, src, weight, mean, rstd, dx_dtype) -> Optional[str
         return f"{dy.dtype} operands (TMA/wgmma path: fp16/bf16)"
     m, k = dy.shape
     n = b.shape[1]
-    if n > MAX_TILE_N:
-        return f"N={n}: rows wider than one {MAX_TILE_N}-column tile are not on this path yet"
+    if _cluster(n) is None:
+        return (f"N={n}: rows over more than {max(L.CLUSTER_SIZES)} tiles of {MAX_TILE_N} columns (one per CTA of "
+                f"a cluster) are not on this path yet")
     if k % 8 or n % 8:
         return f"K={k} or N={n} not a multiple of 8 (TMA rows must be 16-byte aligned)"
     if dy.stride() != (k, 1):
@@ -182,7 +204,9 @@ def candidates(dy: Tensor, b: Tensor) -> list:
     n = b.shape[1]
     bk = 64 if k >= 64 else 32
     bn = pow2_tile(n)
-    if bn <= 128:
+    if n > MAX_TILE_N:
+        out = [_fit_bwd("gl_cluster", 64, MAX_TILE_N, bk, 4, 4), _fit_bwd("gl_cluster", 128, MAX_TILE_N, bk, 4, 8)]
+    elif bn <= 128:
         out = [_fit_bwd("gl_pp", 128, bn, bk, 6, 4), _fit_bwd("gl_coop", 128, bn, bk, 6, 4),
                _fit_bwd("gl_pp", 64, bn, bk, 6, 4)]
     else:
@@ -207,40 +231,51 @@ def _fit_bwd(kind: str, bm: int, bn: int, bk: int, stages: int, warps: int):
     return None
 
 
+def _cluster(n: int, bn: int = MAX_TILE_N):
+    """CTAs per cluster for rows of n columns, one tile of bn each (1 when a row fits one tile; None beyond
+    the largest cluster)."""
+    tiles = -(-n // bn)
+    return tiles if tiles in L.CLUSTER_SIZES else None
+
+
 class Launch(NamedTuple):
+    cluster: int  # CTAs per cluster (1: the tile schedule)
     ncons: int  # consumer partitions (2: ping-pong)
     load_warps: int
     num_warps: int  # of each consumer partition
     maxnreg: int
 
 
-def launch_shape(config) -> Launch:
+def launch_shape(config, n: int) -> Launch:
+    cluster = _cluster(n, config.block_n) if config.kind == "gl_cluster" else 1
     ncons = 2 if config.kind == "gl_pp" else 1
     warps = 4 if ncons == 2 else config.warps
-    return Launch(ncons, 1, warps, L.maxnreg(L.padded_warps(1) + warps * ncons))
+    load_warps = 4 if cluster and cluster > 1 else 1  # a cluster barrier needs every thread (gemm_core)
+    return Launch(cluster, ncons, load_warps, warps, L.maxnreg(L.padded_warps(load_warps) + warps * ncons))
 
 
 _RUNTIME = ("a_desc", "b_desc", "dx_desc", "extra_desc", "src_desc", "w_ptr", "mean_ptr", "rstd_ptr", "dw_ptr",
-            "db_ptr", "M", "N", "K")
-_PARAMS = _RUNTIME + ("HAS_EXTRA", "HAS_W", "HAS_DB", "IS_RMS", "NORMED", "NUM_STAGES", "NCONS", "B_KN",
+            "db_ptr", "p1_ptr", "p2_ptr", "M", "N", "K")
+_PARAMS = _RUNTIME + ("HAS_EXTRA", "HAS_W", "HAS_DB", "IS_RMS", "NORMED", "NUM_STAGES", "C", "NCONS", "B_KN",
                       "LOAD_WARPS", "LOAD_REGS", "MMA_REGS", "num_warps")
 
 
 def _constexprs(config, shape: Launch, b_kn: bool, *, extra: bool, has_w: bool, has_db: bool, is_rms: bool,
                 normed: bool) -> dict:
     return dict(HAS_EXTRA=extra, HAS_W=has_w, HAS_DB=has_db, IS_RMS=is_rms, NORMED=normed,
-                NUM_STAGES=config.stages, NCONS=shape.ncons, B_KN=b_kn, LOAD_WARPS=shape.load_warps,
+                NUM_STAGES=config.stages, C=shape.cluster, NCONS=shape.ncons, B_KN=b_kn, LOAD_WARPS=shape.load_warps,
                 LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS)
 
 
-def _operands(dy, b, extra, src, weight, mean, rstd, dx, dw_part, db_part, kn: bool, bn: int) -> tuple[tuple, tuple]:
+def _operands(dy, b, extra, src, weight, mean, rstd, dx, dw_part, db_part, p1, p2, kn: bool, bn: int
+              ) -> tuple[tuple, tuple]:
     """The call's values of ``_RUNTIME``: the five tensors behind the TMA descriptors, then the rest."""
     m, k = dy.shape
     n = b.shape[1]
     descs = (dy, b if kn else b.t(), dx, extra if extra is not None else dx, src)
     weight = _padded(weight, bn)
     rest = (weight if weight is not None else rstd, mean if mean is not None and mean.numel() else rstd, rstd,
-            dw_part, db_part, m, n, k)
+            dw_part, db_part, p1, p2, m, n, k)
     return descs, rest
 
 
@@ -253,41 +288,53 @@ class BackwardPlan:
     def __init__(self, dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, config, alloc, dx):
         from .mm_norm import ALLOW_SPILLS, SpillError
 
-        m = dy.shape[0]
+        m, n = dy.shape[0], b.shape[1]
         self.config, self.alloc = config, alloc
-        self.has_w, self.has_db = weight is not None, bool(has_bias)
-        self.shape = shape = launch_shape(config)
+        self.has_w, self.has_db, self.is_rms = weight is not None, bool(has_bias), bool(is_rms)
+        self.shape = shape = launch_shape(config, n)
+        c = shape.cluster
+        if c is None:
+            raise ValueError(f"{config.label()}: N={n} needs an unsupported cluster size")
         self.kn = b_layout(dy, b) == "kn"
         self.row_blocks = -(-m // config.block_m)
-        dw_part, db_part = self._scratch()
-        descs, rest = _operands(dy, b, extra, src, weight, mean, rstd, dx, dw_part, db_part, self.kn,
+        descs, rest = _operands(dy, b, extra, src, weight, mean, rstd, dx, *self._scratch(m), self.kn,
                                 config.block_n)
         bm, bn, bk = config.block_m, config.block_n, config.block_k
-        blocks = ([bm, bk], [bk, bn] if self.kn else [bn, bk], [bm, bn], [bm, bn], [bm, bn])
-        args = tuple(_descriptor(t, blk) for t, blk in zip(descs, blocks)) + rest
+        self.blocks = ([bm, bk], [bk, bn] if self.kn else [bn, bk], [bm, bn], [bm, bn], [bm, bn])
+        args = tuple(_descriptor(t, blk) for t, blk in zip(descs, self.blocks)) + rest
         consts = _constexprs(config, shape, self.kn, extra=extra is not None, has_w=self.has_w, has_db=self.has_db,
-                             is_rms=bool(is_rms), normed=bool(src_is_normed))
+                             is_rms=self.is_rms, normed=bool(src_is_normed))
         self.consts = tuple(consts[p] for p in _PARAMS[len(_RUNTIME):-1])
-        compiled = L.compiled_kernel(mm_norm_bwd_kernel, args + self.consts, 1, num_warps=shape.num_warps,
+        compiled = L.compiled_kernel(mm_norm_bwd_kernel, args + self.consts, c, num_warps=shape.num_warps,
                                      maxnreg=shape.maxnreg)
         if getattr(compiled, "n_spills", 0) and not ALLOW_SPILLS:
             raise SpillError(f"{config.label()}: this specialization spills registers ({compiled.n_spills})")
         self.compiled = compiled
         self.fast = L.fast_launcher(compiled, 5, shape.num_warps, dy.device)
-        self.blocks = blocks
-        self.grid = min(self.row_blocks, num_sms(dy.device))
+        if c == 1:
+            self.grid = min(self.row_blocks, num_sms(dy.device))
+        else:
+            self.grid = L.cluster_grid(compiled, c, self.row_blocks, dy.device)
 
-    def _scratch(self) -> tuple[Tensor, Tensor]:
-        bn = self.config.block_n
-        dw = self.alloc((self.row_blocks, bn), torch.float32) if self.has_w else None
-        db = self.alloc((self.row_blocks, bn), torch.float32) if self.has_db else None
-        any_ = dw if dw is not None else (db if db is not None else self.alloc((1,), torch.float32))
-        return (dw if dw is not None else any_), (db if db is not None else any_)
+    def _scratch(self, m: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(dw, db) column sums per row block, and the cluster's per-tile row sums (p1, p2): fresh buffers per
+        launch (a stand-in where the kernel reads none)."""
+        width = self.shape.cluster * self.config.block_n
+        dw = self.alloc((self.row_blocks, width), torch.float32) if self.has_w else None
+        db = self.alloc((self.row_blocks, width), torch.float32) if self.has_db else None
+        p1 = p2 = None
+        if self.shape.cluster > 1:
+            p1 = self.alloc((m, self.shape.cluster), torch.float32)
+            p2 = self.alloc((m, self.shape.cluster), torch.float32) if not self.is_rms else p1
+        any_ = next((t for t in (dw, db, p1) if t is not None), None)
+        if any_ is None:
+            any_ = self.alloc((1,), torch.float32)
+        return tuple(t if t is not None else any_ for t in (dw, db, p1, p2))
 
     def __call__(self, dy, b, extra, src, weight, mean, rstd, dx) -> tuple[Tensor, Tensor]:
         """Launch into dx; returns (dw, db) [N] fp32 (0-size when absent)."""
-        dw_part, db_part = self._scratch()
-        descs, rest = _operands(dy, b, extra, src, weight, mean, rstd, dx, dw_part, db_part, self.kn,
+        dw_part, db_part, p1, p2 = self._scratch(dy.shape[0])
+        descs, rest = _operands(dy, b, extra, src, weight, mean, rstd, dx, dw_part, db_part, p1, p2, self.kn,
                                 self.config.block_n)
         if self.fast is not None:
             self.fast(self.grid, descs, rest + self.consts)
@@ -306,17 +353,18 @@ class BackwardPlan:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def compile_offline(config, k: int, *, is_rms: bool, affine: bool, extra: bool, normed: bool, b_kn: bool = True):
+def compile_offline(config, n: int, k: int, *, is_rms: bool, affine: bool, extra: bool, normed: bool,
+                    b_kn: bool = True):
     """Compile the kernel ``BackwardPlan`` would launch for this config and flags, for sm_90a, on the CPU."""
     from .offline import compile_sm90, descriptor_type
 
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    shape = launch_shape(config)
+    shape = launch_shape(config, n)
     values = dict(
         a_desc=descriptor_type([bm, bk]), b_desc=descriptor_type([bk, bn] if b_kn else [bn, bk]),
         dx_desc=descriptor_type([bm, bn]), extra_desc=descriptor_type([bm, bn]), src_desc=descriptor_type([bm, bn]),
-        w_ptr="*bf16", mean_ptr="*fp32", rstd_ptr="*fp32", dw_ptr="*fp32", db_ptr="*fp32", M="i32", N="i32",
-        K="i32",
+        w_ptr="*bf16", mean_ptr="*fp32", rstd_ptr="*fp32", dw_ptr="*fp32", db_ptr="*fp32", p1_ptr="*fp32",
+        p2_ptr="*fp32", M="i32", N="i32", K="i32",
     )
     constexprs = _constexprs(config, shape, b_kn, extra=extra, has_w=affine, has_db=affine and not is_rms,
                              is_rms=is_rms, normed=normed)
@@ -325,7 +373,7 @@ def compile_offline(config, k: int, *, is_rms: bool, affine: bool, extra: bool, 
     return compile_sm90(mm_norm_bwd_kernel, signature, constexprs, shape.num_warps, shape.maxnreg)
 
 
-OFFLINE_NS = (40, 64, 128, 200, 256)
+OFFLINE_NS = (40, 64, 128, 200, 256, 320, 1000, 2048)
 OFFLINE_FLAGS = {
     "ln_full": dict(is_rms=False, affine=True, extra=True, normed=False),
     "ln_normed": dict(is_rms=False, affine=True, extra=False, normed=True),
@@ -342,12 +390,12 @@ def offline_variants() -> list[dict]:
             dy = torch.empty((1024, k), device="meta", dtype=torch.bfloat16)
             b = torch.empty((k, n), device="meta", dtype=torch.bfloat16)
             for cfg in candidates(dy, b):
-                seen.setdefault(cfg, n)
+                seen.setdefault((cfg, launch_shape(cfg, n).cluster), n)
     return [dict(op="mm_norm_backward", config=list(cfg), n=n, flags=f, save_normed=False, gemm_only=False,
-                 b_kn=True) for cfg, n in seen.items() for f in OFFLINE_FLAGS]
+                 b_kn=True) for (cfg, _), n in seen.items() for f in OFFLINE_FLAGS]
 
 
 def compile_variant(v: dict):
     from ...ops._triton_common import GemmConfig
 
-    return compile_offline(GemmConfig(*v["config"]), 512, **OFFLINE_FLAGS[v["flags"]])
+    return compile_offline(GemmConfig(*v["config"]), v["n"], 512, **OFFLINE_FLAGS[v["flags"]])
