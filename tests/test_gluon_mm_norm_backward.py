@@ -109,9 +109,17 @@ def test_layernorm_from_x_at_large_mean(n, plans):
 @pytest.mark.parametrize("n", [40, 256, 1000])
 def test_same_bits_run_to_run(n):
     args = TARGET.bwd_args(BWD_CASES["full"], 4099, 512, n, BF16, False)
-    cfg = bwd_k.backward_candidates(args[0], args[1], n, 2, _gluon_args(args))[0]
-    assert cfg.kind.startswith("gl_")
-    first = bwd_k.mm_norm_backward_triton(*args, config=cfg)
+    from fusenorm_inductor.kernels.hopper.mm_norm import SpillError
+
+    first = cfg = None
+    for cfg in bwd_k.backward_candidates(args[0], args[1], n, 2, _gluon_args(args)):
+        assert cfg.kind.startswith("gl_")
+        try:  # the first candidate that runs: the launcher refuses a specialization that spills
+            first = bwd_k.mm_norm_backward_triton(*args, config=cfg)
+            break
+        except SpillError:
+            continue
+    assert first is not None, "every Gluon candidate spills"
     second = bwd_k.mm_norm_backward_triton(*args, config=cfg)
     for a, b, name in zip(first, second, ("dx", "dw", "db")):
         assert torch.equal(a, b), name
@@ -120,7 +128,9 @@ def test_same_bits_run_to_run(n):
 def test_cached_plan_relaunch_through_the_op():
     """The op as compiled graphs call it: the first call makes and caches the plan, the second launches it on
     new inputs of the same signature; both match the reference."""
-    from fusenorm_inductor.ops import mm_norm_backward as op
+    import importlib
+
+    op = importlib.import_module("fusenorm_inductor.ops.mm_norm_backward")  # the module, not the op it exports
 
     bwd_k._PLANS.clear()
     for _ in range(2):

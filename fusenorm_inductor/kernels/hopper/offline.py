@@ -73,14 +73,20 @@ def _compile_one(v: dict) -> dict:
 
     try:
         c = (mm_norm_backward if v.get("op") == "mm_norm_backward" else mm_norm).compile_variant(v)
-        return dict(v, ok=True, registers=c.registers, spill_bytes=c.spill_bytes, shared=c.shared,
+        return dict(v, ok=True, triton=_triton_version(), registers=c.registers, spill_bytes=c.spill_bytes, shared=c.shared,
                     cluster_barrier="barrier.cluster.arrive" in c.ptx and "barrier.cluster.wait" in c.ptx)
     except Exception as e:  # noqa: BLE001 - reported per variant
         root = e
         while root.__cause__ is not None:  # a CompilationError's text is the kernel source; the cause says why
             root = root.__cause__
-        return dict(v, ok=False, error=f"{type(root).__name__}: {str(root)[-1500:]} (in {type(e).__name__}: "
+        return dict(v, ok=False, triton=_triton_version(), error=f"{type(root).__name__}: {str(root)[-1500:]} (in {type(e).__name__}: "
                                        f"{str(e)[-500:]})")
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 def main(argv=None) -> int:
