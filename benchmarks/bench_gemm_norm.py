@@ -9,8 +9,10 @@ in ``--rounds`` alternating rounds (median of the rounds). fusenorm runs its Glu
 apply (``config.gluon``, on by default; ``--no-gluon``: the ``tl`` kernels); t_base_ms is the GEMM core of
 the kernel timed with a plain epilogue (the fused kernel's own configuration, cluster schedule included), and
 t_core_ms the GEMM core alone as a plain GEMM would run it (tile schedule, the fastest of
-``plain_candidates``) against cuBLAS timed in the same rounds (t_mm_core_ms; forward points, once per K x N;
-``--core-only`` measures just that for the grid's K x N and ``--merge`` attaches it to the points):
+``plain_candidates``) against cuBLAS timed in the same rounds (t_mm_core_ms; once per direction and K x N, in
+the direction's layout; ``--core-only`` measures just that, forward layout, for the grid's K x N and
+``--merge`` attaches it to the forward points). Backward points also time every Gluon candidate once
+(candidates_ms):
 
 fwd  ``y = norm(a @ W.T)``, a [M, K], W [N, K] (an nn.Linear weight); all under no_grad
     t_mm       cuBLAS ``torch.mm(a, W.t())``
@@ -498,13 +500,29 @@ def _measure_point(p: Point, m: int, device: str, bench: Bench, shared: dict, ro
     row["max_abs_diff"] = max_abs_diff(fused["out"][0], ref)  # y (fwd) or dx (bwd)
     del fused, unfused, ref
     timed = {"mm": mm_fn, "unfused": unfused_fn, "fused": fused_fn}
-    if device == "cuda" and p.dir == "fwd":
-        row.update(core_alone(p, case, bench, shared))
     if device == "cuda":
+        row.update(core_alone(p, case, bench, shared))
         base, label = gemm_base(p, op_args)
         row["t_base_ms"], row["base_config"] = bench.measure(base)["ms"], label
         timed["base"] = base
+        if p.dir == "bwd":
+            row["candidates_ms"] = candidate_times(op_args, bench)
     alternate_rounds(bench, timed, row)
+
+
+def candidate_times(op_args: tuple, bench: Bench) -> dict:
+    """Every configuration the backward's dispatch would time, each timed once here (label -> ms, or why it
+    did not run: a specialization that spills is refused)."""
+    from fusenorm_inductor.ops import mm_norm_backward_kernels as bk
+
+    dy, b, extra, src, weight, mean, rstd, _, _, _, dx_dtype = op_args
+    out = {}
+    for cfg in bk.backward_candidates(dy, b, b.shape[1], 2, (extra, src, weight, mean, rstd, dx_dtype)):
+        try:
+            out[cfg.label()] = bench.time_ms(lambda c=cfg: bk.mm_norm_backward_triton(*op_args, config=c))[0]
+        except Exception as e:  # noqa: BLE001 (refused: spills, or a schedule that cannot run)
+            out[cfg.label()] = f"{type(e).__name__}: {str(e)[:120]}"
+    return out
 
 
 def alternate_rounds(bench: Bench, fns: dict, row: dict) -> None:
@@ -527,14 +545,16 @@ CORE_FIELDS = ("t_mm_core_ms", "t_core_ms", "core_config", "core_configs_ms")
 
 def core_alone(p: Point, case: Case, bench: Bench, shared: dict) -> dict:
     """The GEMM core with a plain epilogue on its tile schedule (``plain_candidates``: the configurations a
-    plain GEMM would take, no cluster) against cuBLAS ``a @ W.t()``, both timed in the same alternating
-    rounds; once per (K, N), shared by the point's norms. t_core_ms is the fastest configuration's median."""
-    key = ("core", p.K, p.N)
+    plain GEMM would take, no cluster) against cuBLAS, both timed in the same alternating rounds, in the
+    direction's layout: ``a @ W.t()`` (fwd; W [N, K]) or the data gradient ``dz @ W2`` (bwd; W2 [K, N]
+    row-major); once per (dir, K, N), shared by the point's norms. t_core_ms is the fastest configuration's
+    median."""
+    key = ("core", p.dir, p.K, p.N)
     if key not in shared:
         from fusenorm_inductor.kernels.hopper import mm_norm as hopper
         from fusenorm_inductor.ops import mm_norm_kernels as fk
 
-        a, b = case.a, case.W.t()
+        a, b = (case.a, case.W.t()) if p.dir == "fwd" else (case.dz, case.W2)
         fns = {"cublas": lambda: torch.mm(a, b)}
         for cfg in hopper.plain_candidates(p.N, p.K):
             fns[cfg.label()] = (lambda c=cfg: fk.mm_norm_triton(a, b, None, None, None, None, 1e-6, True, DTYPE, False,
@@ -560,6 +580,12 @@ def gemm_base(p: Point, op_args: tuple) -> tuple[Callable, str]:
         cfg = fk.forward_config(*op_args)
         return (lambda: fk.mm_norm_triton(*op_args, config=cfg, gemm_only=True)), cfg.label()
     cfg = bk.backward_config(*op_args)
+    if cfg.kind.startswith("gl_"):
+        # the Gluon backward has no plain epilogue of its own: the core with the forward's plain one, the same
+        # tile configuration and schedule, on the data-gradient operands (dz @ W2, W2 row-major)
+        dz, w2 = op_args[0], op_args[1]
+        return (lambda: fk.mm_norm_triton(dz, w2, None, None, None, None, 1e-6, True, DTYPE, False, config=cfg,
+                                          gemm_only=True)), cfg.label()
     return (lambda: bk.mm_norm_backward_triton(*op_args, config=cfg, gemm_only=True)), cfg.label()
 
 

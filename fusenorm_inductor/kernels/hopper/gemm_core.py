@@ -12,7 +12,10 @@ Partitions (``gl.warp_specialize``):
   tile at a time) or ``NCONS = 2`` ("ping-pong": two 4-warp partitions take alternate tiles; an order
   barrier pair serializes their mainloops, so one's epilogue runs under the other's MMAs).
 
-Each consumer hands its finished fp32 accumulator, in the wgmma register layout, to ``EPILOGUE``:
+Before a tile's mainloop each consumer calls ``PROLOGUE(off_m, off_n, c_bufs, buf0, epi_bar, eargs, FLAGS)``
+(``no_prologue`` when the epilogue needs none): an epilogue that reads a [BM, BN] operand issues its TMA load
+there, so the bytes land under the tile's MMAs instead of after them. Each consumer hands its finished fp32
+accumulator, in the wgmma register layout, to ``EPILOGUE``:
 ``EPILOGUE(acc, off_m, off_n, pn, c_bufs, buf0, epi_bar, it, eargs, FLAGS, M, N, layout)`` (``pn``: the N tile
 index, ``it``: the consumer's tile count), a ``gluon.jit`` function
 passed as a constexpr with its runtime arguments in the tuple ``eargs`` and its compile-time switches in the
@@ -135,6 +138,11 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C: gl.constex
 
 
 @gluon.jit
+def no_prologue(off_m, off_n, c_bufs, buf0: gl.constexpr, epi_bar, eargs, FLAGS: gl.constexpr):
+    pass
+
+
+@gluon.jit
 def _mainloop(a_bufs, b_bufs, ready, empty, c0, k_tiles, acc, B_KN: gl.constexpr):
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     for kk in range(k_tiles):
@@ -153,7 +161,8 @@ def _mainloop(a_bufs, b_bufs, ready, empty, c0, k_tiles, acc, B_KN: gl.constexpr
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE: gl.constexpr, eargs,
+def _consumer(a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, PROLOGUE: gl.constexpr,
+              EPILOGUE: gl.constexpr, eargs,
               FLAGS: gl.constexpr, C: gl.constexpr, SPAN: gl.constexpr, CID: gl.constexpr, NCONS: gl.constexpr, NUM_OUT: gl.constexpr, B_KN: gl.constexpr,
               WARPS: gl.constexpr):
     BM: gl.constexpr = a_bufs.type.shape[1]
@@ -167,6 +176,8 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPI
     for i in range(CID, tiles, NCONS):
         pm, pn = coords(first, step, i, N, BN, C, SPAN)
         c0 = i * k_tiles
+        # before the MMA turn (ping-pong): the epilogue's operand has the other consumer's mainloop to land too
+        PROLOGUE(pm * BM, pn * BN, c_bufs, CID * NUM_OUT, epi_bar.index(CID), eargs, FLAGS)
         # a fresh accumulator per tile: a loop-carried one would stay live through the epilogue, doubling
         # its registers there (the first wgmma ignores it: use_acc=False)
         acc = gl.zeros([BM, BN], gl.float32, layout=layout)
@@ -184,7 +195,8 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPI
 
 
 @gluon.jit
-def gemm_ws(a_desc, b_desc, out_desc, M, N, K, EPILOGUE: gl.constexpr, eargs, FLAGS: gl.constexpr,
+def gemm_ws(a_desc, b_desc, out_desc, M, N, K, PROLOGUE: gl.constexpr, EPILOGUE: gl.constexpr, eargs,
+            FLAGS: gl.constexpr,
             NUM_OUT: gl.constexpr,
             SYNC: gl.constexpr, NUM_STAGES: gl.constexpr, C: gl.constexpr, SPAN: gl.constexpr,
             NCONS: gl.constexpr, B_KN: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
@@ -211,16 +223,16 @@ def gemm_ws(a_desc, b_desc, out_desc, M, N, K, EPILOGUE: gl.constexpr, eargs, FL
     # must stay compile-time (they pick the schedule and B's box).
     if NCONS == 1:
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE, eargs, FLAGS, C, SPAN, 0, 1, NUM_OUT,
+            (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, PROLOGUE, EPILOGUE, eargs, FLAGS, C, SPAN, 0, 1, NUM_OUT,
                          B_KN, num_warps)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C, SPAN, SYNC, B_KN)),
         ], [LOAD_WARPS], [LOAD_REGS])
     else:
         gl.static_assert(num_warps == 4, "ping-pong consumers are one warpgroup each")
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE, eargs, FLAGS, C, SPAN, 0, 2, NUM_OUT,
+            (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, PROLOGUE, EPILOGUE, eargs, FLAGS, C, SPAN, 0, 2, NUM_OUT,
                          B_KN, 4)),
-            (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, EPILOGUE, eargs, FLAGS, C, SPAN, 1, 2, NUM_OUT,
+            (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, PROLOGUE, EPILOGUE, eargs, FLAGS, C, SPAN, 1, 2, NUM_OUT,
                          B_KN, 4)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C, SPAN, SYNC, B_KN)),
         ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])

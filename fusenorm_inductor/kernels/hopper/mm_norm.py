@@ -51,7 +51,7 @@ from ._compat import (
     tma_load,
 )
 from .epilogues import load_vector, stage_store, tile_index
-from .gemm_core import gemm_ws
+from .gemm_core import gemm_ws, no_prologue
 
 # It runs GemmConfigs (ops/_triton_common.py) of kinds "gl_coop", "gl_pp" and "gl_cluster" (cluster size
 # cdiv(N, block_n)).
@@ -291,7 +291,7 @@ def mm_norm_kernel(a_desc, b_desc, y_desc, hh_desc, res_desc, bias_ptr, w_ptr, n
     FLAGS: gl.constexpr = (HAS_BIAS * 1 + HAS_RES * 2 + HAS_W * 4 + HAS_NB * 8 + IS_RMS * 16 + SAVE_NORMED * 32
                            + NORM * 64 + EVEN_N * 128 + (SAVE_NORMED and NUM_OUT == 1) * 256 + C * 512
                            + SPAN * 8192)
-    gemm_ws(a_desc, b_desc, y_desc, M, N, K, _mm_norm_epilogue, eargs, FLAGS, NUM_OUT, SYNC, NUM_STAGES, C, SPAN, NCONS,
+    gemm_ws(a_desc, b_desc, y_desc, M, N, K, no_prologue, _mm_norm_epilogue, eargs, FLAGS, NUM_OUT, SYNC, NUM_STAGES, C, SPAN, NCONS,
             B_KN,
             LOAD_WARPS, LOAD_REGS, MMA_REGS, num_warps)
 

@@ -9,7 +9,8 @@ its dtype; dw = sum over rows of ``dn * x_hat`` and db = sum of ``dn``, fp32.
 
 The epilogue (``_bwd_epilogue``) takes the dgrad accumulator tile from the core (gemm_core.py; b read as
 row-major [K, N], the next linear's weight, or as W.t()). A row of dn fits one tile (N <= 256, the tile
-schedule): ``extra`` and then the saved src come in by TMA through the tile's staging buffer, the two row
+schedule): ``extra`` and then the saved src come in by TMA through the tile's staging buffer (the first of
+them issued before the tile's mainloop, ``_bwd_prologue``), the two row
 sums are register shuffles, dx leaves by TMA through the same buffer. dn never leaves the SM. dw and db: each
 tile writes its column sums to an fp32 scratch row of its own ([row blocks, N padded to the tile]); the
 launcher sums the scratch over row blocks, in a fixed order (the same bits run to run). Rows of 2-8 tiles
@@ -40,13 +41,20 @@ from .mm_norm import LOAD_REGS, MAX_TILE_N, MMA_REGS, _descriptor, _padded, _tma
 
 
 @gluon.jit
-def _load_tile(desc, off_m, off_n, buf, epi_bar, phase, layout: gl.constexpr):
-    """A [BM, BN] tile of desc through the staging buffer, as fp32 in the accumulator's layout (zero-filled
-    out of bounds). The caller has waited for the buffer's previous store."""
+def _issue_load(desc, off_m, off_n, buf, epi_bar):
     mbarrier.expect(epi_bar, desc.block_type.nbytes)
     tma_load(desc, [off_m, off_n], epi_bar, buf)
-    mbarrier.wait(epi_bar, phase)
-    return buf.load(layout).to(gl.float32)
+
+
+@gluon.jit
+def _bwd_prologue(off_m, off_n, c_bufs, buf0: gl.constexpr, epi_bar, eargs, FLAGS: gl.constexpr):
+    """Before the tile's mainloop: the epilogue's first [BM, BN] operand (extra, else the saved src) into the
+    staging buffer, once the previous tile's dx has left it, so it lands under the MMAs."""
+    tma.store_wait(0)
+    if (FLAGS & 1) != 0:
+        _issue_load(eargs[1], off_m, off_n, c_bufs.index(buf0), epi_bar)
+    else:
+        _issue_load(eargs[2], off_m, off_n, c_bufs.index(buf0), epi_bar)
 
 
 @gluon.jit
@@ -74,10 +82,11 @@ def _bwd_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it
     loads = it * LOADS
     rows, cols, rmask, cmask = tile_index(off_m, off_n, M, N, BM, BN, layout)
     buf = c_bufs.index(buf0)
-    tma.store_wait(0)  # the previous tile's dx has left the staging buffer
     dn = acc
     if HAS_EXTRA:
-        dn = dn + _load_tile(extra_desc, off_m, off_n, buf, epi_bar, loads & 1, layout)
+        # extra came in by _bwd_prologue; src follows it through the same buffer
+        mbarrier.wait(epi_bar, loads & 1)
+        dn = dn + buf.load(layout).to(gl.float32)
         loads += 1
         thread_barrier()  # every thread has read extra before src lands in the buffer
     # Rows past M: dn is 0 there (TMA zero-fills dy and extra), and rstd is loaded as 0: they add nothing to
@@ -87,8 +96,8 @@ def _bwd_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it
     mean = rstd
     if not NORMED and not IS_RMS:
         mean = gl.expand_dims(gl.load(mean_ptr + rows, mask=rmask, other=0.0), 1)
-    mbarrier.expect(epi_bar, src_desc.block_type.nbytes)
-    tma_load(src_desc, [off_m, off_n], epi_bar, buf)
+    if HAS_EXTRA:
+        _issue_load(src_desc, off_m, off_n, buf, epi_bar)  # else _bwd_prologue issued it
     # dw / db: this tile's column sums, one scratch row of C * BN per row block (each element written once)
     slot = (off_m // BM) * (C * BN)
     if HAS_DB:
@@ -152,7 +161,7 @@ def mm_norm_bwd_kernel(a_desc, b_desc, dx_desc, extra_desc, src_desc, w_ptr, mea
                        num_warps: gl.constexpr):
     eargs = (dx_desc, extra_desc, src_desc, w_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr, p1_ptr, p2_ptr)
     FLAGS: gl.constexpr = HAS_EXTRA * 1 + HAS_W * 2 + HAS_DB * 4 + IS_RMS * 8 + NORMED * 16 + C * 32
-    gemm_ws(a_desc, b_desc, dx_desc, M, N, K, _bwd_epilogue, eargs, FLAGS, 1, C > 1, NUM_STAGES, C, 1, NCONS, B_KN,
+    gemm_ws(a_desc, b_desc, dx_desc, M, N, K, _bwd_prologue, _bwd_epilogue, eargs, FLAGS, 1, C > 1, NUM_STAGES, C, 1, NCONS, B_KN,
             LOAD_WARPS, LOAD_REGS, MMA_REGS, num_warps)
 
 
@@ -198,19 +207,22 @@ def unsupported(dy, b, extra, src, weight, mean, rstd, dx_dtype) -> Optional[str
 
 
 def candidates(dy: Tensor, b: Tensor) -> list:
-    """Configurations worth timing, best guess first. The epilogue holds two fp32 tiles (dn and x_hat), so a
-    consumer of 4 warps takes 64-row tiles of up to 256 columns or 128-row tiles of up to 128."""
+    """Configurations worth timing, best guess first. The epilogue holds dn in registers and rereads x_hat
+    from shared memory, so a warpgroup takes 64 rows of up to 256 columns or 128 rows of up to 128; the
+    8-warp cooperative tiles (two warpgroups on one 128-row tile, the forward core's fastest at large K)
+    take 128 x 256 and 128 x 128."""
     k = dy.shape[1]
     n = b.shape[1]
     bk = 64 if k >= 64 else 32
     bn = pow2_tile(n)
     if n > MAX_TILE_N:
-        out = [_fit_bwd("gl_cluster", 64, MAX_TILE_N, bk, 4, 4), _fit_bwd("gl_cluster", 128, MAX_TILE_N, bk, 4, 8)]
+        out = [_fit_bwd("gl_cluster", 128, MAX_TILE_N, bk, 4, 8), _fit_bwd("gl_cluster", 64, MAX_TILE_N, bk, 4, 4)]
     elif bn <= 128:
-        out = [_fit_bwd("gl_pp", 128, bn, bk, 6, 4), _fit_bwd("gl_coop", 128, bn, bk, 6, 4),
-               _fit_bwd("gl_pp", 64, bn, bk, 6, 4)]
+        out = [_fit_bwd("gl_pp", 128, bn, bk, 6, 4), _fit_bwd("gl_coop", 128, bn, bk, 6, 8),
+               _fit_bwd("gl_coop", 128, bn, bk, 6, 4), _fit_bwd("gl_pp", 64, bn, bk, 6, 4)]
     else:
-        out = [_fit_bwd("gl_pp", 64, bn, bk, 4, 4), _fit_bwd("gl_coop", 64, bn, bk, 4, 4)]
+        out = [_fit_bwd("gl_coop", 128, bn, bk, 4, 8), _fit_bwd("gl_pp", 64, bn, bk, 4, 4),
+               _fit_bwd("gl_coop", 64, bn, bk, 4, 4)]
     return [c for c in out if c is not None and c.stages >= 2]
 
 

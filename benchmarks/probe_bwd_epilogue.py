@@ -1,0 +1,64 @@
+"""Probe: where the Gluon regrouped backward's epilogue spends its time (issue 17), under Nsight Compute.
+
+Runs ``fusenorm::mm_norm_backward``'s Gluon kernel with one named configuration (``--config``, a label of
+``kernels/hopper/mm_norm_backward.candidates``) on the benchmark's inputs (bench_gemm_norm.py: M = 262144,
+bf16, the saved hh as src, an affine norm), and the same configuration's GEMM core with the plain epilogue
+(``--base``), ``--iters`` times each, for a profiler to pick the launches:
+
+    ncu --clock-control none -k regex:mm_norm --launch-skip 2 --launch-count 2 \\
+        --section SpeedOfLight --section WarpStateStats --section SourceCounters \\
+        python3 benchmarks/probe_bwd_epilogue.py --K 4096 --N 256 --norm rms --config "gl_coop 128x256x64 s3 w8"
+
+``--time`` prints the two kernels' times (do_bench medians) instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_gemm_norm as bench  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--K", type=int, required=True)
+    p.add_argument("--N", type=int, required=True)
+    p.add_argument("--norm", choices=["layer", "rms"], required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("--rows", type=int, default=262144)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--time", action="store_true")
+    args = p.parse_args()
+
+    from triton.testing import do_bench
+
+    from fusenorm_inductor.kernels.hopper import mm_norm_backward as hopper
+    from fusenorm_inductor.ops import mm_norm_backward_kernels as bk
+    from fusenorm_inductor.ops import mm_norm_kernels as fk
+
+    torch.manual_seed(0)
+    point = bench.Point("bwd", args.K, args.N, args.norm, True)
+    case = bench.Case(point, args.rows, "cuda")
+    _, op_args = bench.fused_op_args(point, case)
+    cfg = next((c for c in hopper.candidates(op_args[0], op_args[1]) if c.label() == args.config), None)
+    if cfg is None:
+        raise SystemExit(f"{args.config!r} is not a candidate: {[c.label() for c in hopper.candidates(*op_args[:2])]}")
+    fused = lambda: bk.mm_norm_backward_triton(*op_args, config=cfg)  # noqa: E731
+    base = lambda: fk.mm_norm_triton(op_args[0], op_args[1], None, None, None, None, 1e-6, True,  # noqa: E731
+                                     torch.bfloat16, False, config=cfg, gemm_only=True)
+    for fn in (fused, base):
+        for _ in range(args.iters):
+            fn()
+    torch.cuda.synchronize()
+    if args.time:
+        print(f"{args.config} K={args.K} N={args.N} {args.norm}: fused {do_bench(fused, rep=50):.4f} ms, "
+              f"base {do_bench(base, rep=50):.4f} ms")
+
+
+if __name__ == "__main__":
+    main()
