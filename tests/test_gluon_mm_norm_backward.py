@@ -3,7 +3,7 @@
 Every configuration the dispatch can pick runs at odd shapes (M = 257 and 1000; N = 40, 128, 200, 256: one
 tile per row, masked and whole; N = 320, 1000, 2048: rows over clusters of 2, 4 and 8 CTAs; K = 40 and 200), with extra, weight and bias, src the norm's input and b the
 next linear's row-major weight (the "full" case), and with none of them, src the saved hh and b as W.t()
-(the "bare" case); LayerNorm from x at |mean| / std = 1000; dw and db the same bits run to run; inputs the
+(the "bare" case); M = 40001, several tiles per program; LayerNorm from x at |mean| / std = 1000; dw and db the same bits run to run; inputs the
 path cannot take fall back to the ``tl`` kernels (right results, the Gluon plan never made). Every buffer
 the launcher allocates is NaN-poisoned. Needs an sm_90 GPU; the CPU suite compiles the same kernels
 (test_gluon_compile.py).
@@ -86,6 +86,15 @@ def test_every_candidate_matches_reference(m, n, case, is_rms, plans):
     _check_every_candidate(TARGET.bwd_args(BWD_CASES[case], m, k, n, BF16, is_rms), plans)
 
 
+@pytest.mark.parametrize("n", [128, 256, 1000])
+@NORMS
+def test_many_tiles_per_program(n, is_rms, plans):
+    """M = 40001: more row blocks than SMs, so each program computes several tiles and its warps add their
+    dw / db column sums over them (the shapes above give every program one tile, ping-pong ones an idle
+    consumer)."""
+    _check_every_candidate(TARGET.bwd_args(BWD_CASES["full"], 40001, 200, n, BF16, is_rms), plans)
+
+
 def test_normed_layernorm_with_extra_and_affine(plans):
     """src the saved hh with extra, weight and bias (the combination neither case above takes)."""
     args = list(TARGET.bwd_args(BWD_CASES["full"], 1000, 200, 200, BF16, False))
@@ -108,7 +117,7 @@ def test_layernorm_from_x_at_large_mean(n, plans):
 
 @pytest.mark.parametrize("n", [40, 256, 1000])
 def test_same_bits_run_to_run(n):
-    args = TARGET.bwd_args(BWD_CASES["full"], 4099, 512, n, BF16, False)
+    args = TARGET.bwd_args(BWD_CASES["full"], 40001, 512, n, BF16, False)  # several tiles per program
     from fusenorm_inductor.kernels.hopper.mm_norm import SpillError
 
     first = cfg = None

@@ -11,9 +11,11 @@ The epilogue (``_bwd_epilogue``) takes the dgrad accumulator tile from the core 
 row-major [K, N], the next linear's weight, or as W.t()). A row of dn fits one tile (N <= 256, the tile
 schedule): ``extra`` and then the saved src come in by TMA through the tile's staging buffer (the first of
 them issued before the tile's mainloop, ``_bwd_prologue``), the two row
-sums are register shuffles, dx leaves by TMA through the same buffer. dn never leaves the SM. dw and db: each
-tile writes its column sums to an fp32 scratch row of its own ([row blocks, N padded to the tile]); the
-launcher sums the scratch over row blocks, in a fixed order (the same bits run to run). Rows of 2-8 tiles
+sums are register shuffles, dx leaves by TMA through the same buffer. dn never leaves the SM. dw and db: the
+columns of a CTA's tiles never change (one N tile per row, or the CTA's slot of a cluster), so each warp adds
+its rows' column sums over all its tiles into an fp32 scratch row of its own (``epilogues.warp_column_sums``:
+no cross-warp pass, no CTA barrier); the launcher sums the [programs, warps, BN] scratch in a fixed order (the
+same bits run to run). Rows of 2-8 tiles
 run on a cluster, one tile per CTA: each publishes its tile's two row sums to a [M, C] scratch, crosses the
 cluster barrier and adds the C slots in slot order (the same sums on every CTA of the row).
 
@@ -26,14 +28,15 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+import triton
 from torch import Tensor
 
 from ...ops._triton_common import num_sms
 from . import launch as L
 from ._compat import GLUON_ERROR, cluster_arrive, cluster_wait, gl, gluon, mbarrier, thread_barrier, tma, tma_load
-from .epilogues import load_vector, stage_store, tile_index
-from .gemm_core import gemm_ws
-from .mm_norm import LOAD_REGS, MAX_TILE_N, MMA_REGS, _descriptor, _padded, _tma_ok, b_layout, pow2_tile
+from .epilogues import consumer_warps, load_vector, stage_store, tile_index, warp_column_sums
+from .gemm_core import gemm_ws, schedule
+from .mm_norm import LOAD_REGS, MAX_TILE_N, _descriptor, _padded, _tma_ok, b_layout, pow2_tile
 
 # ----------------------------------------------------------------------------------------------------------
 # Kernel
@@ -98,18 +101,31 @@ def _bwd_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it
         mean = gl.expand_dims(gl.load(mean_ptr + rows, mask=rmask, other=0.0), 1)
     if HAS_EXTRA:
         _issue_load(src_desc, off_m, off_n, buf, epi_bar)  # else _bwd_prologue issued it
-    # dw / db: this tile's column sums, one scratch row of C * BN per row block (each element written once)
-    slot = (off_m // BM) * (C * BN)
+    # dw / db: column sums per warp, added over all the tiles this consumer computes (a CTA's tiles share
+    # their columns: one N tile per row, or the CTA's slot of the cluster) into its own scratch rows:
+    # [programs, consumers * W, BN], summed by the launcher
+    W: gl.constexpr = consumer_warps(layout)
+    NCONS: gl.constexpr = c_bufs.type.shape[0]  # one staging tile per consumer
+    CID: gl.constexpr = buf0
+    slot = (gl.program_id(0) * NCONS + CID) * (W * BN)
+    if NCONS > 1 and CID == 0:
+        # a program with one tile leaves the second consumer idle: its rows are zeroed here instead
+        _, _, tiles = schedule(M, N, BM, BN, C, 1)
+        if it == 0 and tiles < 2:
+            if HAS_DB:
+                warp_column_sums(gl.zeros_like(dn), db_ptr + slot + W * BN, 0, BM, BN, W)
+            if HAS_W:
+                warp_column_sums(gl.zeros_like(dn), dw_ptr + slot + W * BN, 0, BM, BN, W)
     if HAS_DB:
-        gl.store(db_ptr + slot + cols, gl.sum(dn, axis=0))
+        warp_column_sums(dn, db_ptr + slot, it, BM, BN, W)
     mbarrier.wait(epi_bar, loads & 1)
     # x_hat is read from the staging buffer at each of its three uses rather than kept: dn (then g) and x_hat
-    # both in registers spilled at 64 x 256 and 128 x 128 tiles (offline compile). The barriers keep the
+    # both in registers spilled at 64 x 256 and 128 x 128 tiles (offline compile). _read_fence keeps the
     # compiler from merging the reads.
     if HAS_W:
-        gl.store(dw_ptr + slot + cols, gl.sum(dn * _x_hat(buf, mean, rstd, FLAGS, layout), axis=0))
+        warp_column_sums(dn * _x_hat(buf, mean, rstd, FLAGS, layout), dw_ptr + slot, it, BM, BN, W)
         dn = dn * load_vector(w_ptr, cols)  # g
-        thread_barrier()
+        _read_fence()
     c1 = gl.sum(dn * _x_hat(buf, mean, rstd, FLAGS, layout), axis=1)
     c2 = c1
     if not IS_RMS:
@@ -132,10 +148,27 @@ def _bwd_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it
     c1 = gl.expand_dims(c1 / N, 1)
     if not IS_RMS:
         dn = dn - gl.expand_dims(c2 / N, 1)
-    thread_barrier()
+    _read_fence()
     dx = (dn - _x_hat(buf, mean, rstd, FLAGS, layout) * c1) * rstd
     thread_barrier()  # every thread has read src before dx is staged into the buffer
     stage_store(dx, dx_desc, buf, off_m, off_n)
+
+
+# Triton 3.6 keeps shared-memory reads on their side of a warp-level sync; 3.9 merges them across it (every
+# 256-wide backward then spills 100-900 bytes), so there the fence is a CTA barrier.
+_WARP_FENCE = gl.constexpr(triton.__version__.startswith("3.6."))
+
+
+@gluon.jit
+def _read_fence():
+    """Keep the compiler from merging the staging buffer's reads on either side (which would hold x_hat in
+    registers with dn and spill), on triton 3.6 without a CTA barrier: a warp-level sync is an ordering point
+    for the warp's shared-memory accesses."""
+    if _WARP_FENCE:
+        gl.inline_asm_elementwise("bar.warp.sync -1;\nmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+    else:
+        thread_barrier()
 
 
 @gluon.jit
@@ -226,8 +259,12 @@ def candidates(dy: Tensor, b: Tensor) -> list:
     return [c for c in out if c is not None and c.stages >= 2]
 
 
-# Shared memory the epilogue's cross-warp column sums (dw, db) take besides the core's stages and staging
-# tiles (ptxas reported ~4 KB more than L.smem_bytes at 128 x 128 tiles).
+# Registers per consumer thread: the most two 4-warp consumers and a 4-warp loader partition at LOAD_REGS
+# can take (the forward's 232 left the ping-pong backward epilogue spilling).
+BWD_MMA_REGS = 240
+
+# Shared memory the epilogue takes besides the core's stages and staging tiles: the column sums' warp-local
+# conversions, epilogues.CHUNK per consumer (ptxas reports at most this much more than L.smem_bytes).
 _REDUCE_BYTES = 8192
 
 
@@ -276,7 +313,7 @@ def _constexprs(config, shape: Launch, b_kn: bool, *, extra: bool, has_w: bool, 
                 normed: bool) -> dict:
     return dict(HAS_EXTRA=extra, HAS_W=has_w, HAS_DB=has_db, IS_RMS=is_rms, NORMED=normed,
                 NUM_STAGES=config.stages, C=shape.cluster, NCONS=shape.ncons, B_KN=b_kn, LOAD_WARPS=shape.load_warps,
-                LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS)
+                LOAD_REGS=LOAD_REGS, MMA_REGS=BWD_MMA_REGS)
 
 
 def _operands(dy, b, extra, src, weight, mean, rstd, dx, dw_part, db_part, p1, p2, kn: bool, bn: int
@@ -309,6 +346,7 @@ class BackwardPlan:
             raise ValueError(f"{config.label()}: N={n} needs an unsupported cluster size")
         self.kn = b_layout(dy, b) == "kn"
         self.row_blocks = -(-m // config.block_m)
+        self.grid = 1  # the compile only needs the scratch pointers; the real grid follows
         descs, rest = _operands(dy, b, extra, src, weight, mean, rstd, dx, *self._scratch(m), self.kn,
                                 config.block_n)
         bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -329,11 +367,13 @@ class BackwardPlan:
             self.grid = L.cluster_grid(compiled, c, self.row_blocks, dy.device)
 
     def _scratch(self, m: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(dw, db) column sums per row block, and the cluster's per-tile row sums (p1, p2): fresh buffers per
-        launch (a stand-in where the kernel reads none)."""
-        width = self.shape.cluster * self.config.block_n
-        dw = self.alloc((self.row_blocks, width), torch.float32) if self.has_w else None
-        db = self.alloc((self.row_blocks, width), torch.float32) if self.has_db else None
+        """(dw, db) column sums, one row per warp of each consumer of each program ([programs * consumers *
+        warps, BN], every element written by the kernel), and the cluster's per-tile row sums (p1, p2): fresh
+        buffers per launch (a stand-in where the kernel reads none)."""
+        programs = self.grid * self.shape.cluster  # the grid counts clusters (launch.py)
+        rows = self.shape.ncons * self.shape.num_warps
+        dw = self.alloc((programs * rows, self.config.block_n), torch.float32) if self.has_w else None
+        db = self.alloc((programs * rows, self.config.block_n), torch.float32) if self.has_db else None
         p1 = p2 = None
         if self.shape.cluster > 1:
             p1 = self.alloc((m, self.shape.cluster), torch.float32)
@@ -353,11 +393,21 @@ class BackwardPlan:
         else:
             args = tuple(_descriptor(t, blk) for t, blk in zip(descs, self.blocks)) + rest
             L.run(self.compiled, self.grid, args + self.consts, self.shape.num_warps)
-        n = b.shape[1]
-        # over row blocks in a fixed order: the same bits run to run
-        dw = dw_part.sum(0)[:n] if self.has_w else dy.new_empty((0,), dtype=torch.float32)
-        db = db_part.sum(0)[:n] if self.has_db else dy.new_empty((0,), dtype=torch.float32)
+        # over programs and warps in a fixed order: the same bits run to run; program p of a cluster holds
+        # the cluster's N tile p % C
+        n, c = b.shape[1], self.shape.cluster
+        programs = self.grid * c
+        dw = _columns(dw_part, programs, c, n) if self.has_w else dy.new_empty((0,), dtype=torch.float32)
+        db = _columns(db_part, programs, c, n) if self.has_db else dy.new_empty((0,), dtype=torch.float32)
         return dw, db
+
+
+def _columns(part: Tensor, programs: int, c: int, n: int) -> Tensor:
+    """[N] fp32 from the per-warp column sums [programs * warps, BN] of programs in clusters of c (fewest
+    tensor ops where c = 1: each costs host time per call)."""
+    bn = part.shape[1]
+    out = part.sum(0) if c == 1 else part.view(programs // c, c, -1, bn).sum((0, 2)).reshape(-1)
+    return out if out.shape[0] == n else out[:n]
 
 
 # ----------------------------------------------------------------------------------------------------------
