@@ -5,7 +5,7 @@ Parts (``--parts``, default all):
     ops      host time per call (wall time of a loop of calls on tiny inputs, GPU idle: the CPU is the bound):
              torch.mm (cuBLAS), one Triton kernel launch, the unfused pair, a custom op wrapping one Triton
              launch, and each fused op (fusenorm::mm_norm, norm_mm, mm_norm_backward) as the compiled graph
-             calls it; plus a cProfile of the fused forward's call (top functions, in the JSON).
+             calls it; plus a cProfile of the fused forward's and backward's graph calls (top functions, in the JSON).
     steps    a stack of ``--layers`` (8) x (Linear -> LayerNorm) blocks, d = 256, compiled ``dynamic=False``
              by Inductor, by fusenorm, and by fusenorm with every match fused (the decision not asked: a
              step of many small fused calls): time per step (forward under no_grad, and forward + backward) at
@@ -148,16 +148,20 @@ def part_ops() -> dict:
         "part: one torch.empty": lambda: torch.empty((m, n), dtype=dt, device=a.device),
     })
     out = wall_us_per_call(fns)
-    prof = cProfile.Profile()
-    fn = fns["graph call: mm_norm (RMSNorm, affine, no_grad)"]
-    prof.enable()
-    for _ in range(500):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
-    return {"us_per_call": out, "profile_mm_norm_500_calls": s.getvalue()}
+    profiles = {}
+    for key, name in (("profile_mm_norm_500_calls", "graph call: mm_norm (RMSNorm, affine, no_grad)"),
+                      ("profile_mm_norm_backward_500_calls", "graph call: mm_norm_backward (RMSNorm)")):
+        prof = cProfile.Profile()
+        fn = fns[name]
+        prof.enable()
+        for _ in range(500):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
+        profiles[key] = s.getvalue()
+    return {"us_per_call": out, **profiles}
 
 
 # ---- steps ----------------------------------------------------------------------------------------------------
