@@ -552,13 +552,11 @@ def core_alone(p: Point, case: Case, bench: Bench, shared: dict) -> dict:
     key = ("core", p.dir, p.K, p.N)
     if key not in shared:
         from fusenorm_inductor.kernels.hopper import mm_norm as hopper
-        from fusenorm_inductor.ops import mm_norm_kernels as fk
 
         a, b = (case.a, case.W.t()) if p.dir == "fwd" else (case.dz, case.W2)
         fns = {"cublas": lambda: torch.mm(a, b)}
         for cfg in hopper.plain_candidates(p.N, p.K):
-            fns[cfg.label()] = (lambda c=cfg: fk.mm_norm_triton(a, b, None, None, None, None, 1e-6, True, DTYPE, False,
-                                                                config=c, gemm_only=True))
+            fns[cfg.label()] = plain_core(a, b, cfg)
         times: dict = {k: [] for k in fns}
         for _ in range(max(bench.rounds, 1)):
             for k, fn in fns.items():
@@ -583,10 +581,17 @@ def gemm_base(p: Point, op_args: tuple) -> tuple[Callable, str]:
     if cfg.kind.startswith("gl_"):
         # the Gluon backward has no plain epilogue of its own: the core with the forward's plain one, the same
         # tile configuration and schedule, on the data-gradient operands (dz @ W2, W2 row-major)
-        dz, w2 = op_args[0], op_args[1]
-        return (lambda: fk.mm_norm_triton(dz, w2, None, None, None, None, 1e-6, True, DTYPE, False, config=cfg,
-                                          gemm_only=True)), cfg.label()
+        return plain_core(op_args[0], op_args[1], cfg), cfg.label()
     return (lambda: bk.mm_norm_backward_triton(*op_args, config=cfg, gemm_only=True)), cfg.label()
+
+
+def plain_core(a: torch.Tensor, b: torch.Tensor, cfg) -> Callable:
+    """``a @ b`` on the Gluon GEMM core in configuration ``cfg`` with its plain epilogue (the forward op with
+    the norm switched off)."""
+    from fusenorm_inductor.ops import mm_norm_kernels as fk
+
+    return lambda: fk.mm_norm_triton(a, b, None, None, None, None, 1e-6, True, DTYPE, False, config=cfg,
+                                     gemm_only=True)
 
 
 def _norm_alone(p: Point, m: int, device: str, bench: Bench) -> dict:

@@ -39,7 +39,6 @@ def main() -> None:
 
     from fusenorm_inductor.kernels.hopper import mm_norm_backward as hopper
     from fusenorm_inductor.ops import mm_norm_backward_kernels as bk
-    from fusenorm_inductor.ops import mm_norm_kernels as fk
 
     torch.manual_seed(0)
     point = bench.Point("bwd", args.K, args.N, args.norm, True)
@@ -49,8 +48,7 @@ def main() -> None:
     if cfg is None:
         raise SystemExit(f"{args.config!r} is not a candidate: {[c.label() for c in hopper.candidates(*op_args[:2])]}")
     fused = lambda: bk.mm_norm_backward_triton(*op_args, config=cfg)  # noqa: E731
-    base = lambda: fk.mm_norm_triton(op_args[0], op_args[1], None, None, None, None, 1e-6, True,  # noqa: E731
-                                     torch.bfloat16, False, config=cfg, gemm_only=True)
+    base = bench.plain_core(op_args[0], op_args[1], cfg)
     for fn in (fused, base):
         for _ in range(args.iters):
             fn()

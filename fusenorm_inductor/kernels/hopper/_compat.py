@@ -43,6 +43,7 @@ def available() -> bool:
 
 
 if GLUON_ERROR is None:
+    import triton
 
     @gluon.jit
     def cluster_arrive():
@@ -61,6 +62,21 @@ if GLUON_ERROR is None:
         gl.inline_asm_elementwise(
             "cp.async.bulk.wait_group 0;\nmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1,
         )
+
+    # Triton 3.6 keeps shared-memory reads on their side of a warp-level sync; 3.9 merges them across it (every
+    # 256-wide regrouped backward then spills 100-900 bytes), so there the fence is a CTA barrier.
+    _WARP_FENCE = gl.constexpr(triton.__version__.startswith("3.6."))
+
+    @gluon.jit
+    def smem_read_fence():
+        """Keep the compiler from merging reads of one shared-memory tile on either side (the values would
+        stay live in registers between them), on triton 3.6 without a CTA barrier: a warp-level sync is an
+        ordering point for the warp's shared-memory accesses."""
+        if _WARP_FENCE:
+            gl.inline_asm_elementwise("bar.warp.sync -1;\nmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+        else:
+            thread_barrier()
 
     @gluon.jit
     def cluster_wait():

@@ -28,13 +28,13 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-import triton
 from torch import Tensor
 
 from ...ops._triton_common import num_sms
 from . import launch as L
-from ._compat import GLUON_ERROR, cluster_arrive, cluster_wait, gl, gluon, mbarrier, thread_barrier, tma, tma_load
-from .epilogues import consumer_warps, load_vector, stage_store, tile_index, warp_column_sums
+from ._compat import (GLUON_ERROR, cluster_arrive, cluster_wait, gl, gluon, mbarrier, smem_read_fence, thread_barrier,
+                      tma, tma_load)
+from .epilogues import CHUNK, consumer_warps, load_vector, stage_store, tile_index, warp_column_sums
 from .gemm_core import gemm_ws, schedule
 from .mm_norm import LOAD_REGS, MAX_TILE_N, _descriptor, _padded, _tma_ok, b_layout, pow2_tile
 
@@ -120,12 +120,12 @@ def _bwd_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it
         warp_column_sums(dn, db_ptr + slot, it, BM, BN, W)
     mbarrier.wait(epi_bar, loads & 1)
     # x_hat is read from the staging buffer at each of its three uses rather than kept: dn (then g) and x_hat
-    # both in registers spilled at 64 x 256 and 128 x 128 tiles (offline compile). _read_fence keeps the
+    # both in registers spilled at 64 x 256 and 128 x 128 tiles (offline compile). smem_read_fence keeps the
     # compiler from merging the reads.
     if HAS_W:
         warp_column_sums(dn * _x_hat(buf, mean, rstd, FLAGS, layout), dw_ptr + slot, it, BM, BN, W)
         dn = dn * load_vector(w_ptr, cols)  # g
-        _read_fence()
+        smem_read_fence()
     c1 = gl.sum(dn * _x_hat(buf, mean, rstd, FLAGS, layout), axis=1)
     c2 = c1
     if not IS_RMS:
@@ -148,27 +148,10 @@ def _bwd_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it
     c1 = gl.expand_dims(c1 / N, 1)
     if not IS_RMS:
         dn = dn - gl.expand_dims(c2 / N, 1)
-    _read_fence()
+    smem_read_fence()
     dx = (dn - _x_hat(buf, mean, rstd, FLAGS, layout) * c1) * rstd
     thread_barrier()  # every thread has read src before dx is staged into the buffer
     stage_store(dx, dx_desc, buf, off_m, off_n)
-
-
-# Triton 3.6 keeps shared-memory reads on their side of a warp-level sync; 3.9 merges them across it (every
-# 256-wide backward then spills 100-900 bytes), so there the fence is a CTA barrier.
-_WARP_FENCE = gl.constexpr(triton.__version__.startswith("3.6."))
-
-
-@gluon.jit
-def _read_fence():
-    """Keep the compiler from merging the staging buffer's reads on either side (which would hold x_hat in
-    registers with dn and spill), on triton 3.6 without a CTA barrier: a warp-level sync is an ordering point
-    for the warp's shared-memory accesses."""
-    if _WARP_FENCE:
-        gl.inline_asm_elementwise("bar.warp.sync -1;\nmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-    else:
-        thread_barrier()
 
 
 @gluon.jit
@@ -264,8 +247,8 @@ def candidates(dy: Tensor, b: Tensor) -> list:
 BWD_MMA_REGS = 240
 
 # Shared memory the epilogue takes besides the core's stages and staging tiles: the column sums' warp-local
-# conversions, epilogues.CHUNK per consumer (ptxas reports at most this much more than L.smem_bytes).
-_REDUCE_BYTES = 8192
+# conversions, one epilogues.CHUNK per consumer, two consumers at most (ptxas reports no more than this).
+_REDUCE_BYTES = 2 * CHUNK.value
 
 
 def _fit_bwd(kind: str, bm: int, bn: int, bk: int, stages: int, warps: int):
@@ -346,7 +329,7 @@ class BackwardPlan:
             raise ValueError(f"{config.label()}: N={n} needs an unsupported cluster size")
         self.kn = b_layout(dy, b) == "kn"
         self.row_blocks = -(-m // config.block_m)
-        self.grid = 1  # the compile only needs the scratch pointers; the real grid follows
+        self.grid = self.programs = 1  # the compile only needs the scratch pointers; the real grid follows
         descs, rest = _operands(dy, b, extra, src, weight, mean, rstd, dx, *self._scratch(m), self.kn,
                                 config.block_n)
         bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -365,15 +348,15 @@ class BackwardPlan:
             self.grid = min(self.row_blocks, num_sms(dy.device))
         else:
             self.grid = L.cluster_grid(compiled, c, self.row_blocks, dy.device)
+        self.programs = self.grid * c  # the grid counts clusters (launch.py)
 
     def _scratch(self, m: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(dw, db) column sums, one row per warp of each consumer of each program ([programs * consumers *
         warps, BN], every element written by the kernel), and the cluster's per-tile row sums (p1, p2): fresh
         buffers per launch (a stand-in where the kernel reads none)."""
-        programs = self.grid * self.shape.cluster  # the grid counts clusters (launch.py)
-        rows = self.shape.ncons * self.shape.num_warps
-        dw = self.alloc((programs * rows, self.config.block_n), torch.float32) if self.has_w else None
-        db = self.alloc((programs * rows, self.config.block_n), torch.float32) if self.has_db else None
+        rows = self.programs * self.shape.ncons * self.shape.num_warps
+        dw = self.alloc((rows, self.config.block_n), torch.float32) if self.has_w else None
+        db = self.alloc((rows, self.config.block_n), torch.float32) if self.has_db else None
         p1 = p2 = None
         if self.shape.cluster > 1:
             p1 = self.alloc((m, self.shape.cluster), torch.float32)
@@ -396,9 +379,8 @@ class BackwardPlan:
         # over programs and warps in a fixed order: the same bits run to run; program p of a cluster holds
         # the cluster's N tile p % C
         n, c = b.shape[1], self.shape.cluster
-        programs = self.grid * c
-        dw = _columns(dw_part, programs, c, n) if self.has_w else dy.new_empty((0,), dtype=torch.float32)
-        db = _columns(db_part, programs, c, n) if self.has_db else dy.new_empty((0,), dtype=torch.float32)
+        dw = _columns(dw_part, self.programs, c, n) if self.has_w else dy.new_empty((0,), dtype=torch.float32)
+        db = _columns(db_part, self.programs, c, n) if self.has_db else dy.new_empty((0,), dtype=torch.float32)
         return dw, db
 
 
