@@ -1059,7 +1059,9 @@ def meta_block(args, device: str, ceilings: dict) -> dict:
         "rows": args.rows,
         "eps": EPS,
         "ceilings": ceilings,
-        "fwd_fused_saves": "y and hh (training, --fwd-save-normed)" if args.fwd_save_normed else "y (no_grad)",
+        # post-norm's forward only (bench_prenorm.py shares this block and has no such flag)
+        **({"fwd_fused_saves": "y and hh (training, --fwd-save-normed)" if args.fwd_save_normed else "y (no_grad)"}
+           if hasattr(args, "fwd_save_normed") else {}),
         "grid": {"K": args.K, "N": args.N, "norms": args.norms, "affine": args.affine, "dirs": args.dirs},
         "metrics": {
             "hidden": "(t_unfused - t_fused) / t_norm",

@@ -28,6 +28,7 @@ from torch.fx import Node
 
 from fusenorm_inductor import config, fx_utils
 from fusenorm_inductor.fx_utils import val
+from fusenorm_inductor.ops import measure
 from fusenorm_inductor.ops.tuning import Choice, prenorm_choice, prenorm_norm_ms
 from fusenorm_inductor.report import GraphReport
 
@@ -202,7 +203,8 @@ def prenorm_decision(a2: torch.Tensor, consumers: list[tuple], weight, norm_bias
     t_norm = prenorm_norm_ms(a2)
     t_fused = sum(c.t_fused_ms for c in choices) + n_wgrads * t_norm
     t_unfused = sum(c.t_unfused_ms - t_norm for c in choices) + t_norm
-    if t_fused < t_unfused * (1.0 - config.tuning.margin):
+    margin = max(measure.margin_for(c.config) for c in choices)
+    if t_fused < t_unfused * (1.0 - margin):
         return choices, None
     if len(consumers) == 1 and not n_wgrads:
         return choices, f"{consumers[0][2]}: {choices[0].reason}"

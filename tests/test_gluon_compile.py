@@ -59,6 +59,7 @@ def test_every_path_is_compiled(compiled):
     clusters = {v["n"] for v in compiled if v["config"][0] == "gl_cluster"}
     assert {320, 1000, 2048, 4096} <= clusters, clusters
     assert any(v["gemm_only"] for v in compiled) and any(v["save_normed"] for v in compiled)
+    assert {v["config"][0] for v in compiled if v.get("op") == "norm_mm"} == {"gl_coop", "gl_pp"}
     backward = {(v["config"][0], v["flags"]) for v in compiled if v.get("op") == "mm_norm_backward"}
     assert {k for k, _ in backward} == {"gl_coop", "gl_pp", "gl_cluster"} and len(backward) == 12, backward
 
@@ -76,6 +77,10 @@ def _known_spill(v) -> bool:
     that spills is a regression. The variants compile with the runtime's specializations (offline.runtime_attrs:
     16-divisible pointers and sizes, fp32 norm weights where the op passes them), so a spill the H200 would
     meet at launch shows here."""
+    if v.get("op") == "norm_mm":
+        # the pre-norm forward: clean on triton 3.6; triton 3.9 spills 8 bytes in 5 of its 16 LayerNorm variants
+        # (refused at launch like any spill: the tl kernels run there)
+        return not v["triton"].startswith("3.6.") and v["flags"] != "rms"
     if v.get("op") == "mm_norm_backward":
         if not v["triton"].startswith("3.6."):
             # Newer tritons spill more of the backward (triton 3.9: 8-370 bytes in 68 of 192 variants, LayerNorm

@@ -448,6 +448,8 @@ def _set_path(monkeypatch, path):
     """tma: the launcher's own rule (TMA on sm_90+); ptr: the pointer kernel (``_FORCE_TMA = False``)."""
     if path == "tma" and not _tma_available():
         pytest.skip("TMA needs sm_90+")
+    # the tl kernels under test, not the Gluon kernel the dispatch puts first on sm_90 (test_gluon_norm_mm.py)
+    monkeypatch.setattr(nk, "gluon_unsupported", lambda *args: "off: the tl kernels' tests")
     monkeypatch.setattr(common, "_FORCE_TMA", None if path == "tma" else False)
     return record_kernels(monkeypatch, tma=path == "tma")
 
@@ -535,3 +537,24 @@ def test_normed_kernel(is_rms, affine):
         want = want + nb.double()
     assert y.dtype == F16 and torch.isfinite(y).all()
     torch.testing.assert_close(y.double(), want, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("affine", ["none", "w", "w_nb"])
+@pytest.mark.parametrize("b_t", [True, False], ids=["Wt", "KN"])
+def test_fold_one_launch(is_rms, affine, b_t):
+    """The Gluon path's one-launch fold against fold_norm_affine: b' bit for bit (one rounding of w * b), b's
+    strides kept; colsum and bias' (fp32 here whenever there is one) to fp32 summation order."""
+    dev = "cuda" if CUDA else "cpu"
+    dtype = BF16 if CUDA else F16
+    a, b, bias, weight, norm_bias, _, _, _ = make_args(3, 200, 72, dtype, is_rms, affine, True, b_t, device=dev)
+    bf, biasf, colsum = nk.fold_one_launch(b, bias, weight, norm_bias, is_rms)
+    rb, rbias, rcolsum = nk.fold_norm_affine(b, bias, weight, norm_bias, dtype, is_rms)
+    assert bf.stride() == b.stride() and bf.dtype == dtype
+    torch.testing.assert_close(bf, rb, rtol=0, atol=0)
+    assert biasf.dtype == F32
+    torch.testing.assert_close(biasf, rbias.float(), rtol=1e-5, atol=1e-5)
+    if is_rms:
+        assert colsum is None
+    else:
+        torch.testing.assert_close(colsum, rcolsum, rtol=1e-5, atol=1e-5)

@@ -48,19 +48,23 @@ Two kernels behind ``norm_mm_triton``; ``prenorm_candidates`` lists the configur
   (``tma_config`` drops stages, then rows, to fit shared memory next to the c staging tile: an fp32 c gets
   64 x 256); c leaves through a TMA store when its row pitch allows (``tma_store_ok``), else, or when the
   compiler reports the staging tile does not fit (OutOfResources, remembered), through pointer stores.
+- kinds "gl_coop" / "gl_pp" (sm_90, 16-bit, TMA-readable operands, output in a's dtype; ``gluon_unsupported``):
+  the Gluon GEMM core with its row-statistics mainloop (kernels/hopper/norm_mm.py), first among the candidates;
+  a specialization that spills is never launched (the tl kernels' first choice runs instead).
 - kind "ptr": ``_norm_mm_fwd_kernel``, masked pointer loads, any strides and dtypes (fp32 too), one program
   per tile. It runs in the CPU interpreter; the TMA kernel does too when ``_triton_common._FORCE_TMA``.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import config as settings  # "config" names the GemmConfig arguments here
 from . import baseline, measure
 from ._triton_common import (
     TMA_MAX_BLOCK_N,
@@ -355,6 +359,81 @@ def _normed_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _fold_kernel(b_ptr, w_ptr, nb_ptr, bias_ptr, bf_ptr, biasf_ptr, colsum_ptr, K, N,
+                 stride_bk, stride_bn, stride_fk, stride_fn,
+                 HAS_W: tl.constexpr, HAS_NB: tl.constexpr, HAS_BIAS: tl.constexpr, COLSUM: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``fold_norm_affine`` in one launch for a block of columns (``fold_one_launch``): b' = w * b rounded
+    once to b's dtype, colsum = the column sums of the rounded b', bias' = norm_bias @ b + bias (fp32)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    colsum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    nbsum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        mask = kmask[:, None] & cmask[None, :]
+        b = tl.load(b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn, mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            w = tl.load(w_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+            bf = (b * w[:, None]).to(bf_ptr.dtype.element_ty)
+            tl.store(bf_ptr + ks[:, None] * stride_fk + cols[None, :] * stride_fn, bf, mask=mask)
+            if COLSUM:
+                colsum += tl.sum(bf.to(tl.float32), axis=0)
+        elif COLSUM:
+            colsum += tl.sum(b, axis=0)
+        if HAS_NB:
+            nb = tl.load(nb_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+            nbsum += tl.sum(b * nb[:, None], axis=0)
+    if COLSUM:
+        tl.store(colsum_ptr + cols, colsum, mask=cmask)
+    if HAS_NB or HAS_BIAS:
+        if HAS_BIAS:
+            nbsum += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(biasf_ptr + cols, nbsum, mask=cmask)
+
+
+def fold_one_launch(b: Tensor, bias: Optional[Tensor], weight: Optional[Tensor], norm_bias: Optional[Tensor],
+                    is_rms: bool, compiled: Optional[list] = None) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """(b', bias', colsum) as ``fold_norm_affine`` gives them for b in a's dtype, in one kernel launch (the
+    fused op's host cost: the torch form is up to seven launches per call); bias' is fp32 whenever there is
+    one. For the Gluon kernel, which reads bias' in any dtype. b is a 16-bit [K, N] with unit stride along
+    one dim. ``compiled``: a one-element list holding the compiled kernel for arguments of this signature
+    (launched directly: the JIT's per-call argument binding costs more host time than the launch), or an
+    empty list, which this call fills."""
+    k, n = b.shape
+    colsum_on = not is_rms
+    if weight is None and norm_bias is None and bias is None and not colsum_on:
+        return b, None, None
+    dev = b.device
+    b_fold = torch.empty_like(b) if weight is not None else b  # preserve_format: b's strides
+    bias_fold = torch.empty((n,), dtype=torch.float32, device=dev) if (bias is not None or norm_bias is not None) \
+        else None
+    colsum = torch.empty((n,), dtype=torch.float32, device=dev) if colsum_on else None
+    any_ = b  # stands in for absent pointers (never read: the flags say so)
+    block_n = 64
+    grid = triton.cdiv(n, block_n)
+    args = (b, weight if weight is not None else any_, norm_bias if norm_bias is not None else any_,
+            bias if bias is not None else any_, b_fold, bias_fold if bias_fold is not None else any_,
+            colsum if colsum is not None else any_, k, n, b.stride(0), b.stride(1), b_fold.stride(0), b_fold.stride(1))
+    consts = dict(HAS_W=weight is not None, HAS_NB=norm_bias is not None, HAS_BIAS=bias is not None,
+                  COLSUM=colsum_on, BLOCK_K=64, BLOCK_N=block_n)
+    if compiled:
+        k_ = compiled[0]
+        stream = torch._C._cuda_getCurrentRawStream(b.device.index if b.device.index is not None
+                                                    else torch.cuda.current_device())
+        k_.run(grid, 1, 1, stream, k_.function, k_.packed_metadata, None, None, None, *args, *consts.values())
+        return b_fold, bias_fold, colsum
+    _fold_kernel[(grid,)](*args, **consts, num_warps=4)
+    if compiled is not None and b.device.type == "cuda":
+        k_ = _fold_kernel.warmup(*args, **consts, num_warps=4, grid=(grid,))
+        k_ = k_.result() if hasattr(k_, "result") else k_
+        k_._init_handles()
+        compiled.append(k_)
+    return b_fold, bias_fold, colsum
+
+
 def _alloc(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Every output the launcher writes comes from here (tests poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -416,12 +495,37 @@ def _tma_block_ns(m: int, n: int, device: torch.device) -> list[int]:
     return [128, TMA_MAX_BLOCK_N] if narrow_first else [TMA_MAX_BLOCK_N, 128]
 
 
+def gluon_unsupported(a: Tensor, b: Tensor, out_dtype) -> Optional[str]:
+    """Why the Gluon sm_90 kernel (kernels/hopper/norm_mm.py) cannot take these inputs; None when it can."""
+    if not settings.gluon:
+        return "off (config.gluon / FUSENORM_GLUON)"
+    from ..kernels.hopper import _compat
+
+    if _compat.GLUON_ERROR is not None:  # the kernel module itself needs Gluon to import
+        return f"this triton has no usable Gluon ({_compat.GLUON_ERROR})"
+    from ..kernels.hopper import norm_mm as hopper
+
+    return hopper.unsupported(a, b, out_dtype)
+
+
 def prenorm_candidates(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> list[GemmConfig]:
     """The configurations worth timing for ``norm_mm_triton(a, b, ...)``, best guess first (``tuning``
     times them on CUDA; without tuning the first one runs). b may be b or b' (same layout).
 
-    Where N spans several tiles and the row blocks fill the SMs, the row-block walk ("tma_rows": statistics
-    once per row block) comes first, the flattened walk ("tma": statistics per tile) after it."""
+    The Gluon kernel's configurations come first where it takes the inputs, then the tl kernels' first
+    choice. Of the tl kernels, where N spans several tiles and the row blocks fill the SMs, the row-block walk
+    ("tma_rows": statistics once per row block) comes first, the flattened walk ("tma": statistics per
+    tile) after it."""
+    if a.shape[0] and b.shape[1] and gluon_unsupported(a, b, out_dtype) is None:
+        from ..kernels.hopper import norm_mm as hopper
+
+        gluon = hopper.candidates(a, b)
+        if gluon:
+            return gluon + _tl_candidates(a, b, out_dtype)[:1]
+    return _tl_candidates(a, b, out_dtype)
+
+
+def _tl_candidates(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> list[GemmConfig]:
     m, k = a.shape
     n = b.shape[1]
     if n == 0 or tma_layout(a, b) is None:
@@ -457,11 +561,13 @@ def norm_mm_triton(
     is_rms: bool,
     out_dtype: Optional[torch.dtype] = None,
     config: Optional[GemmConfig] = None,
+    plan_out: Optional[list] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(c, mean, rstd) of ``norm_mm_reference``; inputs already checked by the op.
 
     ``config``: one of ``prenorm_candidates``; None asks ``prenorm_config`` (measured and cached on
-    CUDA, else the first candidate).
+    CUDA, else the first candidate). ``plan_out``: where a Gluon launch appends a function that launches the
+    same again on inputs of the same signature (``norm_mm_cuda`` caches it).
     """
     m, k = a.shape
     n = b.shape[1]
@@ -475,9 +581,24 @@ def norm_mm_triton(
     rstd = _alloc((m,), f32, dev)
     if m == 0:
         return c, mean, rstd
-    b_fold, bias_fold, colsum = fold_norm_affine(b, bias, weight, norm_bias, a.dtype, is_rms)
+    explicit = config is not None  # a caller timing this config (tuning, tests) hears that it cannot run
     if config is None:
         config = prenorm_config(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype)
+    if config.kind.startswith("gl_"):
+        from ..kernels.hopper.mm_norm import SpillError
+        from ..kernels.hopper.norm_mm import norm_mm_gluon
+
+        try:
+            b_one, bias_one, colsum_one = fold_one_launch(b, bias, weight, norm_bias, is_rms)
+            plan = norm_mm_gluon(a, b_one, bias_one, colsum_one, eps, is_rms, c, mean, rstd, config)
+            if plan_out is not None:
+                plan_out.append(_gluon_launcher(plan, m, n, out_dtype, is_rms, dev))
+            return c, mean, rstd
+        except SpillError:
+            if explicit:
+                raise
+            config = _tl_candidates(a, b, out_dtype)[0]
+    b_fold, bias_fold, colsum = fold_norm_affine(b, bias, weight, norm_bias, a.dtype, is_rms)
     bias_stride = bias_fold.stride(0) if bias_fold is not None else 0
     flags = dict(HAS_BIAS=bias_fold is not None, IS_RMS=is_rms)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -517,6 +638,40 @@ def norm_mm_triton(
         num_warps=config.warps, num_stages=config.stages,
     )
     return c, mean, rstd
+
+
+_PLANS: dict[tuple, Callable] = {}  # plan_key -> launcher (norm_mm_cuda)
+
+
+def norm_mm_cuda(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype, check):
+    """The CUDA kernel of ``fusenorm::norm_mm`` as compiled graphs call it: the launch plan cached for this
+    argument signature (no validation, tuning lookup or JIT specialization per call), else ``check()`` and
+    the full launcher, whose plan is kept when it made one (the Gluon path; not while a CUDA graph is
+    captured, where the tuner could not measure)."""
+    key = measure.plan_key((a, b, bias, weight, norm_bias), eps, is_rms, out_dtype, settings.gluon)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan(a, b, bias, weight, norm_bias)
+    check()
+    made: list = []
+    out = norm_mm_triton(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype, plan_out=made)
+    if made and not torch.cuda.is_current_stream_capturing():
+        _PLANS[key] = made[0]
+    return out
+
+
+def _gluon_launcher(plan, m: int, n: int, out_dtype, is_rms: bool, dev) -> Callable:
+    fold: list = []  # the fold kernel compiled for this signature, on the first call
+
+    def launch(a, b, bias, weight, norm_bias):
+        c = _alloc((m, n), out_dtype, dev)
+        mean = _alloc((0,) if is_rms else (m,), torch.float32, dev)
+        rstd = _alloc((m,), torch.float32, dev)
+        b_fold, bias_fold, colsum = fold_one_launch(b, bias, weight, norm_bias, is_rms, fold)
+        plan(a, b_fold, bias_fold, colsum, plan.eps, c, mean, rstd)
+        return c, mean, rstd
+
+    return launch
 
 
 def normed_triton(a: Tensor, mean: Optional[Tensor], rstd: Tensor, weight: Optional[Tensor],
@@ -559,8 +714,11 @@ def measure_prenorm(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype) -> di
             lambda c: norm_mm_triton(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype, config=c),
             t_est,
         )
-        h = measure.fused_host_us(lambda: norm_mm_triton(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype, config=best),
-                                  times[best])
+        # The host time of the call a compiled graph makes: the cached launch plan where the launcher makes one.
+        made: list = []
+        full = lambda: norm_mm_triton(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype, config=best,  # noqa: E731
+                                      plan_out=made)
+        h = measure.fused_host_us(lambda: made[0](ra, rb, rbias, rw, rnb) if made else full(), times[best])
         ind = baseline.unfused_where_it_counts(a.device, times[best], h, t_est, best.label(),
                                                baseline.pre_norm_fn(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype),
                                                "norm + linear")

@@ -16,14 +16,24 @@ Before a tile's mainloop each consumer calls ``PROLOGUE(off_m, off_n, c_bufs, bu
 (``no_prologue`` when the epilogue needs none): an epilogue that reads a [BM, BN] operand issues its TMA load
 there, so the bytes land under the tile's MMAs instead of after them. Each consumer hands its finished fp32
 accumulator, in the wgmma register layout, to ``EPILOGUE``:
-``EPILOGUE(acc, off_m, off_n, pn, c_bufs, buf0, epi_bar, it, eargs, FLAGS, M, N, layout)`` (``pn``: the N tile
-index, ``it``: the consumer's tile count), a ``gluon.jit`` function
+``EPILOGUE(acc, off_m, off_n, pn, c_bufs, buf0, epi_bar, it, eargs, FLAGS, M, N, layout, stats)`` (``pn``: the N
+tile index, ``it``: the consumer's tile count, ``stats``: the tile's row sums of A, see ``STATS``), a ``gluon.jit``
+function
 passed as a constexpr with its runtime arguments in the tuple ``eargs`` and its compile-time switches in the
 integer ``FLAGS`` (a bit mask: constexprs inside a tuple do not stay constexpr across ``warp_specialize``). ``c_bufs`` holds ``NUM_OUT`` shared-memory staging
 tiles per consumer (from index ``buf0``) for TMA stores, and TMA loads of [BM, BN] operands of the epilogue
 (a residual) through them, with the consumer's own mbarrier ``epi_bar`` (the epilogue derives each wait's
 phase from ``it`` and its own fixed count of loads per tile): a tile's worth of pointers in the wgmma layout costs more registers than the accumulator. The fused ops (post-norm forward, plain GEMM, ...)
 are epilogues of this core, not mainloops of their own.
+
+Row sums of A (``STATS``, for pre-norm: a norm over A's rows applied in the epilogue, docs/algorithms.md): with
+``STATS`` = 1 (RMSNorm) the consumer adds each row's sum of squares of every A stage it multiplies, read from the
+stage in shared memory while the stage's wgmma runs; with 2 (LayerNorm) the row sums of a - p and (a - p)^2,
+shifted by p = the row's mean over the first K tile (one-pass sums of a and a^2 cancel at |mean| >> std), 3
+the same where K is not a multiple of BK (the zero-filled columns past K masked). ``stats`` = (p, s1, s2) in
+the accumulator's row layout. A stage is released by one thread's arrive, so with ``STATS`` the consumer's
+threads meet at a barrier first: every one has read the stage. ``STATS`` = 0 reads nothing (``stats`` is
+zeros the compiler drops).
 
 Schedules (``C``, ``SPAN``): ``C = 1`` walks the [M/BM, N/BN] tiles persistently, row block major
 (consecutive programs share an A row block in L2). ``C > 1`` is the cluster schedule for rows wider than a
@@ -39,6 +49,7 @@ warps would never arrive).
 from __future__ import annotations
 
 from ._compat import (
+    thread_barrier,
     cluster_arrive,
     cluster_wait,
     constexpr_function,
@@ -142,9 +153,51 @@ def no_prologue(off_m, off_n, c_bufs, buf0: gl.constexpr, epi_bar, eargs, FLAGS:
     pass
 
 
+@constexpr_function
+def stats_layout(BK, num_warps):
+    """An A stage [BM, BK] as the row sums read it: 8 consecutive K elements (16 bytes) per thread, a row's
+    BK / 8 threads in one warp (no cross-warp reduction)."""
+    tpw_k = min(32, BK // 8)
+    return gl.BlockedLayout([1, 8], [32 // tpw_k, tpw_k], [num_warps, 1], [1, 0])
+
+
 @gluon.jit
-def _mainloop(a_bufs, b_bufs, ready, empty, c0, k_tiles, acc, B_KN: gl.constexpr):
+def _thread_sums(t, BM: gl.constexpr, BK: gl.constexpr):
+    """t [BM, BK] (layout ``stats_layout``) summed over each thread's 8 consecutive elements only: [BM, BK / 8]
+    partials, one per thread and row, added up across threads once per tile (no shuffles per K step)."""
+    return gl.sum(gl.reshape(t, [BM, BK // 8, 8]), axis=2)
+
+
+@gluon.jit
+def _add_row_sums(x, kk, K, shift, p1, p2, BM: gl.constexpr, BK: gl.constexpr, STATS: gl.constexpr,
+                  sl: gl.constexpr):
+    """Add one A stage x [BM, BK] (fp32, layout sl) to the per-thread partial row sums p1, p2 (module
+    docstring, ``STATS``)."""
+    if STATS == 1:
+        p2 += _thread_sums(x * x, BM, BK)
+    else:
+        if kk == 0:
+            shift = gl.sum(x, axis=1) / gl.minimum(K, BK).to(gl.float32)
+        d = x - gl.expand_dims(shift, 1)
+        if STATS == 3:
+            k_ok = kk * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, sl)) < K
+            d = gl.where(gl.expand_dims(k_ok, 0), d, 0.0)
+        p1 += _thread_sums(d, BM, BK)
+        p2 += _thread_sums(d * d, BM, BK)
+    return shift, p1, p2
+
+
+@gluon.jit
+def _mainloop(a_bufs, b_bufs, ready, empty, c0, k_tiles, acc, K, B_KN: gl.constexpr, STATS: gl.constexpr,
+              WARPS: gl.constexpr):
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    sl: gl.constexpr = stats_layout(BK, WARPS)
+    shift = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, sl))
+    zero = gl.zeros([BM, BK], gl.float32, layout=sl)
+    p1 = _thread_sums(zero, BM, BK)
+    p2 = _thread_sums(zero, BM, BK)
     for kk in range(k_tiles):
         c = c0 + kk
         s = c % NUM_STAGES
@@ -154,17 +207,23 @@ def _mainloop(a_bufs, b_bufs, ready, empty, c0, k_tiles, acc, B_KN: gl.constexpr
         else:
             b = b_bufs.index(s).permute((1, 0))
         acc = warpgroup_mma(a_bufs.index(s), b, acc, use_acc=kk > 0, is_async=True)
+        if STATS != 0:
+            # the CUDA cores read the stage the tensor cores are reading
+            x = a_bufs.index(s).load(sl).to(gl.float32)
+            shift, p1, p2 = _add_row_sums(x, kk, K, shift, p1, p2, BM, BK, STATS, sl)
         # at most one wgmma in flight: the previous step's stage is free again
         acc = warpgroup_mma_wait(1, deps=(acc,))
+        if STATS != 0:
+            thread_barrier()  # every thread's read of that stage is done: one thread's arrive releases it
         mbarrier.arrive(empty.index((c + NUM_STAGES - 1) % NUM_STAGES), pred=kk > 0)
-    return acc
+    return acc, (shift, gl.sum(p1, axis=1), gl.sum(p2, axis=1))
 
 
 @gluon.jit
 def _consumer(a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, PROLOGUE: gl.constexpr,
               EPILOGUE: gl.constexpr, eargs,
               FLAGS: gl.constexpr, C: gl.constexpr, SPAN: gl.constexpr, CID: gl.constexpr, NCONS: gl.constexpr, NUM_OUT: gl.constexpr, B_KN: gl.constexpr,
-              WARPS: gl.constexpr):
+              STATS: gl.constexpr, WARPS: gl.constexpr):
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = c_bufs.type.shape[2]
@@ -184,19 +243,24 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, PRO
         if NCONS > 1:
             # take the MMA turn: consumer 0 first, then strictly alternating
             mbarrier.wait(order.index(CID), (j + 1 - CID) & 1)
-        acc = _mainloop(a_bufs, b_bufs, ready, empty, c0, k_tiles, acc, B_KN)
+        acc, sums = _mainloop(a_bufs, b_bufs, ready, empty, c0, k_tiles, acc, K, B_KN, STATS, WARPS)
         if NCONS > 1:
             mbarrier.arrive(order.index(1 - CID))
         acc = warpgroup_mma_wait(0, deps=(acc,))
+        if STATS != 0:
+            thread_barrier()
         mbarrier.arrive(empty.index((c0 + k_tiles - 1) % NUM_STAGES))
-        EPILOGUE(acc, pm * BM, pn * BN, pn, c_bufs, CID * NUM_OUT, epi_bar.index(CID), j, eargs, FLAGS, M, N, layout)
+        rl: gl.constexpr = gl.SliceLayout(1, layout)
+        stats = (gl.convert_layout(sums[0], rl), gl.convert_layout(sums[1], rl), gl.convert_layout(sums[2], rl))
+        EPILOGUE(acc, pm * BM, pn * BN, pn, c_bufs, CID * NUM_OUT, epi_bar.index(CID), j, eargs, FLAGS, M, N, layout,
+                 stats)
         j += 1
     tma.store_wait(0)
 
 
 @gluon.jit
 def gemm_ws(a_desc, b_desc, out_desc, M, N, K, PROLOGUE: gl.constexpr, EPILOGUE: gl.constexpr, eargs,
-            FLAGS: gl.constexpr,
+            FLAGS: gl.constexpr, STATS: gl.constexpr,
             NUM_OUT: gl.constexpr,
             SYNC: gl.constexpr, NUM_STAGES: gl.constexpr, C: gl.constexpr, SPAN: gl.constexpr,
             NCONS: gl.constexpr, B_KN: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
@@ -224,15 +288,15 @@ def gemm_ws(a_desc, b_desc, out_desc, M, N, K, PROLOGUE: gl.constexpr, EPILOGUE:
     if NCONS == 1:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, PROLOGUE, EPILOGUE, eargs, FLAGS, C, SPAN, 0, 1, NUM_OUT,
-                         B_KN, num_warps)),
+                         B_KN, STATS, num_warps)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C, SPAN, SYNC, B_KN)),
         ], [LOAD_WARPS], [LOAD_REGS])
     else:
         gl.static_assert(num_warps == 4, "ping-pong consumers are one warpgroup each")
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, PROLOGUE, EPILOGUE, eargs, FLAGS, C, SPAN, 0, 2, NUM_OUT,
-                         B_KN, 4)),
+                         B_KN, STATS, 4)),
             (_consumer, (a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, PROLOGUE, EPILOGUE, eargs, FLAGS, C, SPAN, 1, 2, NUM_OUT,
-                         B_KN, 4)),
+                         B_KN, STATS, 4)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, C, SPAN, SYNC, B_KN)),
         ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])

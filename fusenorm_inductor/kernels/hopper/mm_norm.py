@@ -197,7 +197,7 @@ def _last_tile(x, s1, rows, rmask, cols, off_m, off_n, pn, c_bufs, buf0: gl.cons
 
 @gluon.jit
 def _mm_norm_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it, eargs,
-                      FLAGS: gl.constexpr, M, N, layout: gl.constexpr):
+                      FLAGS: gl.constexpr, M, N, layout: gl.constexpr, stats):
     y_desc = eargs[0]
     hh_desc = eargs[1]
     bias_ptr = eargs[2]
@@ -291,7 +291,7 @@ def mm_norm_kernel(a_desc, b_desc, y_desc, hh_desc, res_desc, bias_ptr, w_ptr, n
     FLAGS: gl.constexpr = (HAS_BIAS * 1 + HAS_RES * 2 + HAS_W * 4 + HAS_NB * 8 + IS_RMS * 16 + SAVE_NORMED * 32
                            + NORM * 64 + EVEN_N * 128 + (SAVE_NORMED and NUM_OUT == 1) * 256 + C * 512
                            + SPAN * 8192)
-    gemm_ws(a_desc, b_desc, y_desc, M, N, K, no_prologue, _mm_norm_epilogue, eargs, FLAGS, NUM_OUT, SYNC, NUM_STAGES, C, SPAN, NCONS,
+    gemm_ws(a_desc, b_desc, y_desc, M, N, K, no_prologue, _mm_norm_epilogue, eargs, FLAGS, 0, NUM_OUT, SYNC, NUM_STAGES, C, SPAN, NCONS,
             B_KN,
             LOAD_WARPS, LOAD_REGS, MMA_REGS, num_warps)
 

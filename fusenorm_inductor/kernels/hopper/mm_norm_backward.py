@@ -62,7 +62,7 @@ def _bwd_prologue(off_m, off_n, c_bufs, buf0: gl.constexpr, epi_bar, eargs, FLAG
 
 @gluon.jit
 def _bwd_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it, eargs,
-                  FLAGS: gl.constexpr, M, N, layout: gl.constexpr):
+                  FLAGS: gl.constexpr, M, N, layout: gl.constexpr, stats):
     dx_desc = eargs[0]
     extra_desc = eargs[1]
     src_desc = eargs[2]
@@ -177,7 +177,7 @@ def mm_norm_bwd_kernel(a_desc, b_desc, dx_desc, extra_desc, src_desc, w_ptr, mea
                        num_warps: gl.constexpr):
     eargs = (dx_desc, extra_desc, src_desc, w_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr, p1_ptr, p2_ptr)
     FLAGS: gl.constexpr = HAS_EXTRA * 1 + HAS_W * 2 + HAS_DB * 4 + IS_RMS * 8 + NORMED * 16 + C * 32
-    gemm_ws(a_desc, b_desc, dx_desc, M, N, K, _bwd_prologue, _bwd_epilogue, eargs, FLAGS, 1, C > 1, NUM_STAGES, C, 1, NCONS, B_KN,
+    gemm_ws(a_desc, b_desc, dx_desc, M, N, K, _bwd_prologue, _bwd_epilogue, eargs, FLAGS, 0, 1, C > 1, NUM_STAGES, C, 1, NCONS, B_KN,
             LOAD_WARPS, LOAD_REGS, MMA_REGS, num_warps)
 
 
