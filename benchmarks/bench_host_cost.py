@@ -136,7 +136,10 @@ def part_ops() -> dict:
     graph_calls.install()
     g_mm_norm = getattr(extern_kernels, graph_calls.call_name("mm_norm"))
     g_bwd = getattr(extern_kernels, graph_calls.call_name("mm_norm_backward"))
+    g_norm_mm = getattr(extern_kernels, graph_calls.call_name("norm_mm"))
     fns.update({
+        "graph call: norm_mm (RMSNorm, affine)": lambda: g_norm_mm(a, b, None, lw, None, 1e-6, True, dt),
+        "graph call: norm_mm (LayerNorm, affine, bias)": lambda: g_norm_mm(a, b, lw, lw, lw, 1e-5, False, dt),
         "graph call: mm_norm (RMSNorm, affine, no_grad)": lambda: g_mm_norm(a, b, None, None, lw, None, 1e-6, True, dt,
                                                                            False),
         "graph call: mm_norm (LayerNorm, affine, save hh)": lambda: g_mm_norm(a, b, None, None, lw, lw, 1e-5, False,
@@ -150,7 +153,8 @@ def part_ops() -> dict:
     out = wall_us_per_call(fns)
     profiles = {}
     for key, name in (("profile_mm_norm_500_calls", "graph call: mm_norm (RMSNorm, affine, no_grad)"),
-                      ("profile_mm_norm_backward_500_calls", "graph call: mm_norm_backward (RMSNorm)")):
+                      ("profile_mm_norm_backward_500_calls", "graph call: mm_norm_backward (RMSNorm)"),
+                      ("profile_norm_mm_500_calls", "graph call: norm_mm (LayerNorm, affine, bias)")):
         prof = cProfile.Profile()
         fn = fns[name]
         prof.enable()

@@ -1,7 +1,8 @@
 """The Gluon sm_90 pre-norm forward (kernels/hopper/norm_mm.py: row statistics from the GEMM core's A stages) on
 the GPU, against the fp64 oracle and per-element bounds of test_norm_mm_kernels.py.
 
-Every configuration the dispatch can pick runs at odd shapes (M = 257 and 4097; K = 40 (BK 32, a ragged last
+Every configuration the dispatch can pick runs at odd shapes (M = 257 and 4097, and 40001 for the row-block
+schedule with several row blocks per program; K = 40 (BK 32, a ragged last
 K tile), 200 (LayerNorm's masked tail), 1024; N = 40, 256, 1000, 3000: one or many N tiles, partial last
 ones), LayerNorm and RMSNorm, with bias + weight + norm bias (b = W.t()) and without any (b row-major
 [K, N]); LayerNorm at |mean| / std ~ 125 (bf16) and 1000 (fp16); the custom op and its cached launch plan;
@@ -64,6 +65,20 @@ def test_every_candidate_matches_oracle(m, k, n, case, is_rms, gluon_calls):
     for cfg in cands:
         check(args, nk.norm_mm_triton(*args, config=cfg), oracle_dtype=torch.float64)
     assert gluon_calls == cands
+
+
+@pytest.mark.parametrize("case", ["full", "bare"])
+@NORMS
+def test_row_block_schedule_keeps_statistics(case, is_rms, gluon_calls):
+    """The row-block schedule ("gl_rows") with several row blocks per program (M = 40001: 313 row blocks over
+    at most 132 programs, the last partial): the statistics summed at a row block's first N tile serve its
+    other three (N = 1000), and are replaced at the next row block; K = 200 masks LayerNorm's last K tile."""
+    full = case == "full"
+    args = make_args(40001, 200, 1000, BF16, is_rms, "w_nb" if full else "none", full, b_t=full, device="cuda")
+    rows = [c for c in _gluon_candidates(args) if c.kind == "gl_rows"]
+    assert rows, _gluon_candidates(args)
+    check(args, nk.norm_mm_triton(*args, config=rows[0]), oracle_dtype=torch.float64)
+    assert gluon_calls == rows
 
 
 @pytest.mark.parametrize("dtype, spread, k", [(BF16, 8.0, 256), (BF16, 8.0, 1000), (F16, 1.0, 512)])

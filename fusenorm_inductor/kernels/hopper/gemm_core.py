@@ -35,8 +35,11 @@ the accumulator's row layout. A stage is released by one thread's arrive, so wit
 threads meet at a barrier first: every one has read the stage. ``STATS`` = 0 reads nothing (``stats`` is
 zeros the compiler drops).
 
-Schedules (``C``, ``SPAN``): ``C = 1`` walks the [M/BM, N/BN] tiles persistently, row block major
-(consecutive programs share an A row block in L2). ``C > 1`` is the cluster schedule for rows wider than a
+Schedules (``C``, ``SPAN``): ``C = SPAN = 1`` walks the [M/BM, N/BN] tiles persistently, row block major
+(consecutive programs share an A row block in L2). ``C = 1, SPAN > 1`` (the row-block schedule) gives each
+program whole row blocks, their ``SPAN`` N tiles one after the other: with ``STATS`` the consumer (one,
+cooperative) sums A's rows at the first tile of a row block only and keeps the sums for the others.
+``C > 1`` is the cluster schedule for rows wider than a
 tile: the kernel is launched in clusters of C CTAs (``launch.py``); cluster ``pid // C`` walks row blocks,
 CTA ``rank = pid % C`` computes the ``SPAN`` consecutive N tiles ``rank * SPAN + t`` (t = 0 .. SPAN-1) of each,
 one after the other, so a row block's C * SPAN tiles run at the same time on the cluster's SMs and an
@@ -88,7 +91,7 @@ def schedule(M, N, BM: gl.constexpr, BN: gl.constexpr, C: gl.constexpr, SPAN: gl
     the program computes ``tiles`` tiles (SPAN per row block)."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    if C == 1:
+    if C == 1 and SPAN == 1:
         first = pid
         step = nprog
         items = gl.cdiv(M, BM) * gl.cdiv(N, BN)
@@ -102,7 +105,7 @@ def schedule(M, N, BM: gl.constexpr, BN: gl.constexpr, C: gl.constexpr, SPAN: gl
 @gluon.jit
 def coords(first, step, i, N, BN: gl.constexpr, C: gl.constexpr, SPAN: gl.constexpr):
     """(row block, N tile) of the program's i-th tile."""
-    if C == 1:
+    if C == 1 and SPAN == 1:
         item = first + i * step
         n_tiles = gl.cdiv(N, BN)
         pm = item // n_tiles
@@ -188,7 +191,7 @@ def _add_row_sums(x, kk, K, shift, p1, p2, BM: gl.constexpr, BK: gl.constexpr, S
 
 
 @gluon.jit
-def _mainloop(a_bufs, b_bufs, ready, empty, c0, k_tiles, acc, K, B_KN: gl.constexpr, STATS: gl.constexpr,
+def _mainloop(a_bufs, b_bufs, ready, empty, c0, k_tiles, acc, K, fresh, B_KN: gl.constexpr, STATS: gl.constexpr,
               WARPS: gl.constexpr):
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
@@ -208,13 +211,15 @@ def _mainloop(a_bufs, b_bufs, ready, empty, c0, k_tiles, acc, K, B_KN: gl.conste
             b = b_bufs.index(s).permute((1, 0))
         acc = warpgroup_mma(a_bufs.index(s), b, acc, use_acc=kk > 0, is_async=True)
         if STATS != 0:
-            # the CUDA cores read the stage the tensor cores are reading
-            x = a_bufs.index(s).load(sl).to(gl.float32)
-            shift, p1, p2 = _add_row_sums(x, kk, K, shift, p1, p2, BM, BK, STATS, sl)
+            if fresh:  # the row block's first tile (always, but in the row-block schedule)
+                # the CUDA cores read the stage the tensor cores are reading
+                x = a_bufs.index(s).load(sl).to(gl.float32)
+                shift, p1, p2 = _add_row_sums(x, kk, K, shift, p1, p2, BM, BK, STATS, sl)
         # at most one wgmma in flight: the previous step's stage is free again
         acc = warpgroup_mma_wait(1, deps=(acc,))
         if STATS != 0:
-            thread_barrier()  # every thread's read of that stage is done: one thread's arrive releases it
+            if fresh:
+                thread_barrier()  # every thread's read of that stage is done: one thread's arrive releases it
         mbarrier.arrive(empty.index((c + NUM_STAGES - 1) % NUM_STAGES), pred=kk > 0)
     return acc, (shift, gl.sum(p1, axis=1), gl.sum(p2, axis=1))
 
@@ -231,6 +236,12 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, PRO
     layout: gl.constexpr = mma_layout(BM, BN, WARPS)
     first, step, tiles = schedule(M, N, BM, BN, C, SPAN)
     k_tiles = gl.cdiv(K, BK)
+    rl: gl.constexpr = gl.SliceLayout(1, layout)
+    # the row sums of A (STATS), kept across a row block's tiles in the row-block schedule
+    stats = (gl.zeros([BM], gl.float32, layout=rl), gl.zeros([BM], gl.float32, layout=rl),
+             gl.zeros([BM], gl.float32, layout=rl))
+    KEEP: gl.constexpr = STATS != 0 and C == 1 and SPAN > 1
+    gl.static_assert(not KEEP or NCONS == 1, "row sums kept across tiles need one consumer")
     j = 0
     for i in range(CID, tiles, NCONS):
         pm, pn = coords(first, step, i, N, BN, C, SPAN)
@@ -243,15 +254,22 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, PRO
         if NCONS > 1:
             # take the MMA turn: consumer 0 first, then strictly alternating
             mbarrier.wait(order.index(CID), (j + 1 - CID) & 1)
-        acc, sums = _mainloop(a_bufs, b_bufs, ready, empty, c0, k_tiles, acc, K, B_KN, STATS, WARPS)
+        fresh = True
+        if KEEP:
+            fresh = i % SPAN == 0
+        acc, sums = _mainloop(a_bufs, b_bufs, ready, empty, c0, k_tiles, acc, K, fresh, B_KN, STATS, WARPS)
         if NCONS > 1:
             mbarrier.arrive(order.index(1 - CID))
         acc = warpgroup_mma_wait(0, deps=(acc,))
         if STATS != 0:
             thread_barrier()
         mbarrier.arrive(empty.index((c0 + k_tiles - 1) % NUM_STAGES))
-        rl: gl.constexpr = gl.SliceLayout(1, layout)
-        stats = (gl.convert_layout(sums[0], rl), gl.convert_layout(sums[1], rl), gl.convert_layout(sums[2], rl))
+        if KEEP:
+            if fresh:
+                stats = (gl.convert_layout(sums[0], rl), gl.convert_layout(sums[1], rl),
+                         gl.convert_layout(sums[2], rl))
+        else:
+            stats = (gl.convert_layout(sums[0], rl), gl.convert_layout(sums[1], rl), gl.convert_layout(sums[2], rl))
         EPILOGUE(acc, pm * BM, pn * BN, pn, c_bufs, CID * NUM_OUT, epi_bar.index(CID), j, eargs, FLAGS, M, N, layout,
                  stats)
         j += 1

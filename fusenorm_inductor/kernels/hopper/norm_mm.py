@@ -80,12 +80,12 @@ def _norm_mm_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar
 @gluon.jit
 def norm_mm_kernel(a_desc, b_desc, c_desc, colsum_ptr, bias_ptr, mean_ptr, rstd_ptr, M, N, K, eps,
                    HAS_BIAS: gl.constexpr, IS_RMS: gl.constexpr, STATS: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   NCONS: gl.constexpr, B_KN: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+                   SPAN: gl.constexpr, NCONS: gl.constexpr, B_KN: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
                    num_warps: gl.constexpr):
     eargs = (c_desc, colsum_ptr, bias_ptr, mean_ptr, rstd_ptr, K, eps)
     FLAGS: gl.constexpr = HAS_BIAS * 1 + IS_RMS * 2
     gemm_ws(a_desc, b_desc, c_desc, M, N, K, no_prologue, _norm_mm_epilogue, eargs, FLAGS, STATS, 1, False,
-            NUM_STAGES, 1, 1, NCONS, B_KN, 1, LOAD_REGS, MMA_REGS, num_warps)
+            NUM_STAGES, 1, SPAN, NCONS, B_KN, 1, LOAD_REGS, MMA_REGS, num_warps)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -120,11 +120,14 @@ def unsupported(a: Tensor, b: Tensor, out_dtype) -> Optional[str]:
 
 def candidates(a: Tensor, b: Tensor) -> list:
     """Configurations worth timing, best guess first: the GEMM core's own (the epilogue is light and no
-    row spans tiles), the 128x256 cooperative tile where N is wider than 128, 128-row ping-pong tiles."""
+    row spans tiles), the 128x256 cooperative tile where N is wider than 128, 128-row ping-pong tiles; where
+    rows span several 256-wide tiles, first the row-block schedule ("gl_rows": a program computes a row
+    block's tiles one after the other and sums A's rows at the first only)."""
     k = a.shape[1]
     n = b.shape[1]
     bk = 64 if k >= 64 else 32
-    out = [_fit("gl_coop", 128, 256, bk, 4, 8, 1)] if n > 128 else []
+    out = [_fit("gl_rows", 128, 256, bk, 4, 8, 1)] if n > 256 else []
+    out += [_fit("gl_coop", 128, 256, bk, 4, 8, 1)] if n > 128 else []
     out += [_fit("gl_pp", 128, 128, bk, 5, 4, 2), _fit("gl_coop", 128, 128, bk, 6, 4, 1)]
     return [c for c in out if c is not None]
 
@@ -133,12 +136,14 @@ class Launch(NamedTuple):
     ncons: int
     num_warps: int
     maxnreg: int
+    span: int  # N tiles a program computes per row block (> 1: the row-block schedule)
 
 
-def launch_shape(config) -> Launch:
+def launch_shape(config, n: int) -> Launch:
     ncons = 2 if config.kind == "gl_pp" else 1
     warps = 4 if ncons == 2 else config.warps
-    return Launch(ncons, warps, L.maxnreg(L.padded_warps(1) + warps * ncons))
+    span = -(-n // config.block_n) if config.kind == "gl_rows" else 1
+    return Launch(ncons, warps, L.maxnreg(L.padded_warps(1) + warps * ncons), span)
 
 
 def _stats_mode(is_rms: bool, k: int, bk: int) -> int:
@@ -147,11 +152,11 @@ def _stats_mode(is_rms: bool, k: int, bk: int) -> int:
 
 def _constexprs(config, shape: Launch, k: int, b_kn: bool, *, bias: bool, is_rms: bool) -> dict:
     return dict(HAS_BIAS=bias, IS_RMS=is_rms, STATS=_stats_mode(is_rms, k, config.block_k),
-                NUM_STAGES=config.stages, NCONS=shape.ncons, B_KN=b_kn, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS)
+                NUM_STAGES=config.stages, SPAN=shape.span, NCONS=shape.ncons, B_KN=b_kn, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS)
 
 
 _PARAMS = ("a_desc", "b_desc", "c_desc", "colsum_ptr", "bias_ptr", "mean_ptr", "rstd_ptr", "M", "N", "K", "eps",
-           "HAS_BIAS", "IS_RMS", "STATS", "NUM_STAGES", "NCONS", "B_KN", "LOAD_REGS", "MMA_REGS", "num_warps")
+           "HAS_BIAS", "IS_RMS", "STATS", "NUM_STAGES", "SPAN", "NCONS", "B_KN", "LOAD_REGS", "MMA_REGS", "num_warps")
 _N_RUNTIME = 11
 
 
@@ -164,7 +169,7 @@ class PrenormPlan:
         m, k = a.shape
         n = b_fold.shape[1]
         self.config, self.is_rms, self.eps = config, bool(is_rms), float(eps)
-        self.shape = shape = launch_shape(config)
+        self.shape = shape = launch_shape(config, n)
         self.kn = b_layout(a, b_fold) == "kn"
         bm, bn, bk = config.block_m, config.block_n, config.block_k
         self.blocks = ([bm, bk], [bk, bn] if self.kn else [bn, bk], [bm, bn])
@@ -177,7 +182,8 @@ class PrenormPlan:
             raise SpillError(f"{config.label()}: this specialization spills registers ({compiled.n_spills})")
         self.compiled = compiled
         self.fast = L.fast_launcher(compiled, 3, shape.num_warps, a.device)
-        self.grid = min(-(-m // bm) * -(-n // bn), num_sms(a.device))
+        items = -(-m // bm) * (-(-n // bn) if shape.span == 1 else 1)  # tiles, or row blocks
+        self.grid = min(items, num_sms(a.device))
 
     def _runtime(self, a, b_fold, bias_fold, colsum, eps, c, mean, rstd, descriptors: bool) -> tuple:
         m, k = a.shape
@@ -219,7 +225,7 @@ def compile_offline(config, n: int, k: int, *, is_rms: bool, bias: bool, bias_fp
     from .offline import compile_sm90, descriptor_type, runtime_attrs
 
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    shape = launch_shape(config)
+    shape = launch_shape(config, n)
     values = dict(a_desc=descriptor_type([bm, bk]), b_desc=descriptor_type([bk, bn] if b_kn else [bn, bk]),
                   c_desc=descriptor_type([bm, bn]), colsum_ptr="*fp32", bias_ptr="*fp32" if bias_fp32 else "*bf16", mean_ptr="*fp32",
                   rstd_ptr="*fp32", M="i32", N="i32", K="i32", eps="fp32")
@@ -230,7 +236,7 @@ def compile_offline(config, n: int, k: int, *, is_rms: bool, bias: bool, bias_fp
     return compile_sm90(norm_mm_kernel, signature, constexprs, shape.num_warps, shape.maxnreg, attrs)
 
 
-OFFLINE_NS = (64, 256, 1024)
+OFFLINE_NS = (64, 256, 1024, 2048)
 OFFLINE_KS = (40, 256, 1000)  # K = 40: BK 32 with a ragged tail; 1000: LayerNorm's masked last K tile
 OFFLINE_FLAGS = {"rms": dict(is_rms=True, bias=True, bias_fp32=False), "ln": dict(is_rms=False, bias=True),
                  "ln_bare": dict(is_rms=False, bias=False)}
@@ -246,7 +252,7 @@ def offline_variants() -> list[dict]:
             for cfg in candidates(a, b):
                 for name, flags in OFFLINE_FLAGS.items():
                     stats = _stats_mode(flags["is_rms"], k, cfg.block_k)
-                    seen.setdefault((cfg, name, stats), dict(op="norm_mm", config=list(cfg), n=n, k=k, flags=name,
+                    seen.setdefault((cfg, name, stats, launch_shape(cfg, n).span), dict(op="norm_mm", config=list(cfg), n=n, k=k, flags=name,
                                                              save_normed=False, gemm_only=False, b_kn=False))
     return list(seen.values())
 
