@@ -95,9 +95,10 @@ class patterns:
     attention_block_training: bool = Config(default=_env_bool("FUSENORM_ATTENTION_BLOCK_TRAINING", False))
 
 
-# Run the post-norm forward on the Gluon sm_90 kernels (fusenorm_inductor/kernels/hopper/) where they take
-# the inputs (sm_90 GPU, a triton with the Gluon API, 16-bit TMA-aligned operands, N up to 8192 split evenly
-# over a cluster); elsewhere, or off, the `tl` kernels run. On by default since their numerics passed on the
+# Run the post-norm forward, the regrouped backward and Lazy Pre-Norm on the Gluon sm_90 kernels
+# (fusenorm_inductor/kernels/hopper/) where they take the inputs (sm_90 GPU, a triton with the Gluon API,
+# 16-bit TMA-aligned operands, for post-norm N up to 8192 split evenly over a cluster); elsewhere, or off, the
+# `tl` kernels run. On by default since their numerics passed on the
 # H200 and they beat the `tl` kernels at every shape measured (README, Performance); the per-shape dispatch
 # still keeps a shape unfused where the fused kernel does not win.
 gluon: bool = Config(default=_env_bool("FUSENORM_GLUON", True))
