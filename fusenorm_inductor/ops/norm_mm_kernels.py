@@ -37,7 +37,7 @@ rounds a and b' to TF32 (u = 2^-11) while mean and colsum are exact fp32, so the
 ~u * |mean| * rstd * sum_k |b'_k| behind: like the unfused TF32 GEMM of y when |mean| <~ std, |mean| / std
 times worse beyond. (16-bit operands are exact in the MMA; only fp32 accumulation rounds.)
 
-Two kernels behind ``norm_mm_triton``; ``prenorm_candidates`` lists the configurations (``GemmConfig``):
+The kernels behind ``norm_mm_triton``; ``prenorm_candidates`` lists the configurations (``GemmConfig``):
 - kind "tma" (Hopper, 16-bit, ``tma_layout`` not None: A row-major, b' = W.T of a row-major weight or a
   row-major [K, N], 16-byte aligned rows): ``_norm_mm_fwd_tma_kernel``, a persistent TMA-fed kernel (host-side
   descriptors; out-of-bounds boxes read as 0) with one flattened loop over (row block, N tile) tiles, N tiles
@@ -48,9 +48,10 @@ Two kernels behind ``norm_mm_triton``; ``prenorm_candidates`` lists the configur
   (``tma_config`` drops stages, then rows, to fit shared memory next to the c staging tile: an fp32 c gets
   64 x 256); c leaves through a TMA store when its row pitch allows (``tma_store_ok``), else, or when the
   compiler reports the staging tile does not fit (OutOfResources, remembered), through pointer stores.
-- kinds "gl_coop" / "gl_pp" (sm_90, 16-bit, TMA-readable operands, output in a's dtype; ``gluon_unsupported``):
-  the Gluon GEMM core with its row-statistics mainloop (kernels/hopper/norm_mm.py), first among the candidates;
-  a specialization that spills is never launched (the tl kernels' first choice runs instead).
+- kinds "gl_coop" / "gl_pp" / "gl_rows" (sm_90, 16-bit, TMA-readable operands, output in a's dtype;
+  ``gluon_unsupported``): the Gluon GEMM core with its row-statistics mainloop (kernels/hopper/norm_mm.py),
+  first among the candidates, on operands folded in one launch (``fold_one_launch``); a specialization that
+  spills is never launched (the tl kernels' first choice runs instead).
 - kind "ptr": ``_norm_mm_fwd_kernel``, masked pointer loads, any strides and dtypes (fp32 too), one program
   per tile. It runs in the CPU interpreter; the TMA kernel does too when ``_triton_common._FORCE_TMA``.
 """
