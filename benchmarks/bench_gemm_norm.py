@@ -585,6 +585,20 @@ def gemm_base(p: Point, op_args: tuple) -> tuple[Callable, str]:
     return (lambda: bk.mm_norm_backward_triton(*op_args, config=cfg, gemm_only=True)), cfg.label()
 
 
+def probe_args(doc: str) -> argparse.Namespace:
+    """The command line of the kernel probes (probe_bwd_epilogue.py, probe_norm_mm_gluon.py): one point (K, N,
+    norm), one configuration by its label, M rows, iterations for a profiler, or ``--time``."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--K", type=int, required=True)
+    p.add_argument("--N", type=int, required=True)
+    p.add_argument("--norm", choices=["layer", "rms"], required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("--rows", type=int, default=262144)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--time", action="store_true")
+    return p.parse_args()
+
+
 def plain_core(a: torch.Tensor, b: torch.Tensor, cfg) -> Callable:
     """``a @ b`` on the Gluon GEMM core in configuration ``cfg`` with its plain epilogue (the forward op with
     the norm switched off)."""

@@ -14,21 +14,17 @@ affine norm, no linear bias), ``--iters`` times, for a profiler to pick the laun
 
 from __future__ import annotations
 
-import argparse
+import os
+import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_gemm_norm as bench  # noqa: E402
+
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--K", type=int, required=True)
-    p.add_argument("--N", type=int, required=True)
-    p.add_argument("--norm", choices=["layer", "rms"], required=True)
-    p.add_argument("--config", required=True)
-    p.add_argument("--rows", type=int, default=262144)
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--time", action="store_true")
-    args = p.parse_args()
+    args = bench.probe_args(__doc__)
 
     from triton.testing import do_bench
 

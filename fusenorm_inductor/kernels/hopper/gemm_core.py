@@ -264,11 +264,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, c_bufs, epi_bar, M, N, K, PRO
         if STATS != 0:
             thread_barrier()
         mbarrier.arrive(empty.index((c0 + k_tiles - 1) % NUM_STAGES))
-        if KEEP:
-            if fresh:
-                stats = (gl.convert_layout(sums[0], rl), gl.convert_layout(sums[1], rl),
-                         gl.convert_layout(sums[2], rl))
-        else:
+        if fresh:
             stats = (gl.convert_layout(sums[0], rl), gl.convert_layout(sums[1], rl), gl.convert_layout(sums[2], rl))
         EPILOGUE(acc, pm * BM, pn * BN, pn, c_bufs, CID * NUM_OUT, epi_bar.index(CID), j, eargs, FLAGS, M, N, layout,
                  stats)

@@ -315,9 +315,9 @@ def _tma_ok(t: Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
-def unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed) -> Optional[str]:
-    """Why these inputs cannot run on this path (None when they can). Checks only what fake tensors carry
-    besides alignment of real storage."""
+def operand_problem(a: Tensor, b: Tensor, out_dtype) -> Optional[str]:
+    """Why a [M, K] and b [K, N] cannot be the core's TMA/wgmma operands with an output in their dtype (None
+    when they can): what the Gluon GEMM ops check first (this one and norm_mm.py)."""
     if GLUON_ERROR is not None:
         return f"this triton has no usable Gluon ({GLUON_ERROR})"
     if a.device.type != "cuda":
@@ -336,6 +336,16 @@ def unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed)
         return "b is neither W.t() of a row-major W nor row-major"
     if (out_dtype or a.dtype) != a.dtype:
         return f"output dtype {out_dtype} differs from the operands'"
+    return None
+
+
+def unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed) -> Optional[str]:
+    """Why these inputs cannot run on this path (None when they can). Checks only what fake tensors carry
+    besides alignment of real storage."""
+    why = operand_problem(a, b, out_dtype)
+    if why is not None:
+        return why
+    n = b.shape[1]
     if residual is not None and (residual.dtype != a.dtype or residual.stride(1) != 1):
         return "residual not in the operands' dtype with unit column stride"
     if residual is not None and not isinstance(residual, torch._subclasses.FakeTensor) and not _tma_ok(residual):

@@ -27,10 +27,10 @@ from torch import Tensor
 
 from ...ops._triton_common import num_sms
 from . import launch as L
-from ._compat import GLUON_ERROR, gl, gluon, tma
+from ._compat import gl, gluon, tma
 from .epilogues import load_vector, stage_store, tile_index
 from .gemm_core import gemm_ws, no_prologue
-from .mm_norm import SpillError, _descriptor, _fit, _padded, _tma_ok, b_layout
+from .mm_norm import SpillError, _descriptor, _fit, _padded, _tma_ok, b_layout, operand_problem
 
 LOAD_REGS = 24
 MMA_REGS = 232
@@ -95,27 +95,10 @@ def norm_mm_kernel(a_desc, b_desc, c_desc, colsum_ptr, bias_ptr, mean_ptr, rstd_
 
 def unsupported(a: Tensor, b: Tensor, out_dtype) -> Optional[str]:
     """Why ``norm_mm_gluon`` cannot take a [M, K] and b (or b') [K, N] (None when it can)."""
-    if GLUON_ERROR is not None:
-        return f"this triton has no usable Gluon ({GLUON_ERROR})"
-    if a.device.type != "cuda":
-        return "not on CUDA"
-    if torch.cuda.get_device_capability(a.device)[0] != 9:
-        return "not an sm_90 GPU"
-    if a.dtype not in (torch.float16, torch.bfloat16):
-        return f"{a.dtype} operands (TMA/wgmma path: fp16/bf16)"
-    m, k = a.shape
-    n = b.shape[1]
-    if k % 8 or n % 8:
-        return f"K={k} or N={n} not a multiple of 8 (TMA rows must be 16-byte aligned)"
-    if a.stride() != (k, 1):
-        return "a is not row-major contiguous"
-    if b_layout(a, b) is None:
-        return "b is neither W.t() of a row-major W nor row-major"
-    if (out_dtype or a.dtype) != a.dtype:
-        return f"output dtype {out_dtype} differs from the operands'"
-    if not isinstance(a, torch._subclasses.FakeTensor) and not _tma_ok(a):
-        return "a's storage is not 16-byte aligned"
-    return None
+    why = operand_problem(a, b, out_dtype)
+    if why is None and not isinstance(a, torch._subclasses.FakeTensor) and not _tma_ok(a):
+        why = "a's storage is not 16-byte aligned"
+    return why
 
 
 def candidates(a: Tensor, b: Tensor) -> list:
