@@ -358,6 +358,11 @@ def unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed)
     if cluster_size(n) is None:
         return (f"N={n}: not split evenly over a cluster of at most 8 CTAs of up to {MAX_SPAN} tiles of "
                 f"{MAX_TILE_N} columns each")
+    return storage_problem(a, b)
+
+
+def storage_problem(a: Tensor, b: Tensor) -> Optional[str]:
+    """Why the real storage of a or b cannot be read by TMA (None when it can, and for fake tensors)."""
     if not isinstance(a, torch._subclasses.FakeTensor):
         for name, t in (("a", a), ("b", b.t() if b_layout(a, b) == "nk" else b)):
             if not _tma_ok(t):

@@ -30,7 +30,7 @@ from . import launch as L
 from ._compat import gl, gluon, tma
 from .epilogues import load_vector, stage_store, tile_index
 from .gemm_core import gemm_ws, no_prologue
-from .mm_norm import SpillError, _descriptor, _fit, _padded, _tma_ok, b_layout, operand_problem
+from .mm_norm import SpillError, _descriptor, _fit, _padded, b_layout, operand_problem, storage_problem
 
 LOAD_REGS = 24
 MMA_REGS = 232
@@ -95,10 +95,8 @@ def norm_mm_kernel(a_desc, b_desc, c_desc, colsum_ptr, bias_ptr, mean_ptr, rstd_
 
 def unsupported(a: Tensor, b: Tensor, out_dtype) -> Optional[str]:
     """Why ``norm_mm_gluon`` cannot take a [M, K] and b (or b') [K, N] (None when it can)."""
-    why = operand_problem(a, b, out_dtype)
-    if why is None and not isinstance(a, torch._subclasses.FakeTensor) and not _tma_ok(a):
-        why = "a's storage is not 16-byte aligned"
-    return why
+    # b's storage too: without a norm weight the kernel reads b itself (no folded copy)
+    return operand_problem(a, b, out_dtype) or storage_problem(a, b)
 
 
 def candidates(a: Tensor, b: Tensor) -> list:
