@@ -48,12 +48,21 @@ def compiled(request):
 def _label(v):
     from fusenorm_inductor.ops._triton_common import GemmConfig
 
+    if v.get("op") == "gdpa":
+        return f"gdpa D={v['d']} S={v['s']} act={v['act']} {v['dtype']}"
     base = " gemm-base" if v["gemm_only"] else ""
     op = v.get("op", "mm_norm")
     return f"{op} {GemmConfig(*v['config']).label()} N={v['n']} {v['flags']} save={v['save_normed']}{base}"
 
 
+def _gemm(compiled):
+    return [v for v in compiled if v.get("op") != "gdpa"]
+
+
 def test_every_path_is_compiled(compiled):
+    assert {(v["d"], v["act"]) for v in compiled if v.get("op") == "gdpa"} == {(d, a) for d in (64, 128)
+                                                                               for a in range(5)}
+    compiled = _gemm(compiled)
     kinds = {v["config"][0] for v in compiled}
     assert kinds == {"gl_coop", "gl_pp", "gl_cluster", "gl_rows"}, kinds
     clusters = {v["n"] for v in compiled if v["config"][0] == "gl_cluster"}
@@ -77,6 +86,8 @@ def _known_spill(v) -> bool:
     that spills is a regression. The variants compile with the runtime's specializations (offline.runtime_attrs:
     16-divisible pointers and sizes, fp32 norm weights where the op passes them), so a spill the H200 would
     meet at launch shows here."""
+    if v.get("op") == "gdpa":
+        return False
     if v.get("op") == "norm_mm":
         # the pre-norm forward: clean on triton 3.6; triton 3.9 spills 8 bytes in most of its LayerNorm variants
         # with a bias (refused at launch like any spill: the tl kernels run there)
@@ -119,7 +130,7 @@ def test_backward_fits_one_tile_without_spills(compiled):
     that does not spill on triton 3.6 (on newer tritons all but ``_NO_CLEAN_BWD_NEXT``): there the Gluon path
     is never lost to spills alone."""
     clean, seen = set(), set()
-    for v in compiled:
+    for v in _gemm(compiled):
         if v.get("op") != "mm_norm_backward" or v["config"][0] == "gl_cluster":
             continue
         key = (v["config"][2], v["flags"])
@@ -131,7 +142,7 @@ def test_backward_fits_one_tile_without_spills(compiled):
 
 
 def test_cluster_barrier_exactly_where_rows_are_exchanged(compiled):
-    for v in compiled:
+    for v in _gemm(compiled):
         exchanges = v["config"][0] == "gl_cluster" and not v["gemm_only"]  # forward and backward alike
         assert v["cluster_barrier"] == exchanges, _label(v)
 
@@ -146,6 +157,20 @@ def test_on_by_default_and_switchable():
     assert "not on CUDA" in fk.gluon_unsupported(a, b, None, None, None, None, None, False)
     with config.patch(gluon=False):
         assert "config.gluon" in fk.gluon_unsupported(a, b, None, None, None, None, None, False)
+
+
+def test_gdpa_gluon_takes_only_what_it_can():
+    from fusenorm_inductor import config
+    from fusenorm_inductor.ops import gdpa_kernels as gk
+
+    def reason(t=4, h=2, d=128, s=128, dtype=torch.bfloat16):
+        return gk.gluon_unsupported(torch.empty(t, h, d, dtype=dtype), torch.empty(1, s, h, d, dtype=dtype))
+
+    assert "sm_90" in reason() and "sm_90" in reason(d=64, s=16, dtype=torch.float16)
+    assert "K/V length 256" in reason(s=256) and "K/V length 40" in reason(s=40)
+    assert "head dim 32" in reason(d=32) and "dtype" in reason(dtype=torch.float32)
+    with config.patch(gluon=False):
+        assert "config.gluon" in reason()
 
 
 def test_rejects_what_this_path_cannot_take():

@@ -46,10 +46,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import config as settings
 from ._triton_common import dot_input_precision, num_sms, pow2_at_least
 from .activations import act_bwd, act_fwd, activation_code
 
-__all__ = ["GdpaConfig", "fwd_config", "dq_config", "dkdv_config", "gdpa_fwd_triton", "gdpa_bwd_triton"]
+__all__ = ["GdpaConfig", "fwd_config", "dq_config", "dkdv_config", "gdpa_fwd_triton", "gdpa_bwd_triton",
+           "gluon_unsupported"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -248,10 +250,46 @@ def _check_head_dim(d: int) -> None:
         raise ValueError(f"fusenorm::gdpa kernels: head dim D = {d} must be a power of two >= 16")
 
 
+_GLUON_SPILLED: set = set()  # signatures whose Gluon specialization spilled: the Triton kernel serves them
+
+
+def gluon_unsupported(q: Tensor, k: Tensor) -> Optional[str]:
+    """Why the sm_90 Gluon forward (kernels/hopper/gdpa.py) cannot take these inputs; None when it can."""
+    if not settings.gluon:
+        return "off (config.gluon / FUSENORM_GLUON)"
+    from ..kernels.hopper import _compat
+
+    if _compat.GLUON_ERROR is not None:  # the kernel module itself needs Gluon to import
+        return f"this triton has no usable Gluon ({_compat.GLUON_ERROR})"
+    from ..kernels.hopper import gdpa as hopper
+
+    return hopper.unsupported(q, k)
+
+
+def _gluon_forward(q, k, v, q_offsets, o, max_seq_len_q: int, activation: str, scale: float) -> bool:
+    """Run the Gluon forward into o where it takes the inputs; False where the Triton kernel must."""
+    if gluon_unsupported(q, k) is not None:
+        return False
+    from ..kernels.hopper import gdpa as hopper
+    from ..kernels.hopper.mm_norm import SpillError
+
+    act = activation_code(activation, "fusenorm::gdpa")
+    key = (q.shape[1:], k.shape[1:], q.dtype, act)
+    if key in _GLUON_SPILLED:
+        return False
+    try:
+        hopper.gdpa_fwd_gluon(q, k, v, q_offsets, o, max_seq_len_q, act, scale)
+    except SpillError:
+        _GLUON_SPILLED.add(key)
+        return False
+    return True
+
+
 def gdpa_fwd_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int, activation: str,
                     scale: float, config: Optional[GdpaConfig] = None) -> Tensor:
     """O of ``gdpa_reference``; inputs already checked by the op (non-contiguous ones are copied here).
-    ``config``: a test hook (block sizes); None takes ``fwd_config``."""
+    On sm_90 the Gluon kernel runs where it takes the inputs (``gluon_unsupported``), else the Triton
+    kernel. ``config``: a test hook (the Triton kernel's block sizes; given, the Triton kernel runs)."""
     t, h, d = q.shape
     nb, s = k.shape[0], k.shape[1]
     _check_head_dim(d)
@@ -259,6 +297,8 @@ def gdpa_fwd_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_
     if t == 0 or nb * h == 0 or max_seq_len_q == 0:
         return o
     q, k, v, q_offsets = q.contiguous(), k.contiguous(), v.contiguous(), q_offsets.contiguous()
+    if config is None and _gluon_forward(q, k, v, q_offsets, o, max_seq_len_q, activation, scale):
+        return o
     cfg = config or fwd_config(max_seq_len_q, s, d, q.dtype)
     n_m = triton.cdiv(max_seq_len_q, cfg.block_m)
     _gdpa_fwd_kernel[(n_m * nb * h,)](

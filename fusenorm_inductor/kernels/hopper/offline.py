@@ -83,9 +83,9 @@ def _resource_usage(cubin: bytes) -> dict:
 
 
 def _compile_one(v: dict) -> dict:
-    from . import mm_norm, mm_norm_backward, norm_mm
+    from . import gdpa, mm_norm, mm_norm_backward, norm_mm
 
-    ops = {"mm_norm_backward": mm_norm_backward, "norm_mm": norm_mm}
+    ops = {"mm_norm_backward": mm_norm_backward, "norm_mm": norm_mm, "gdpa": gdpa}
     try:
         c = ops.get(v.get("op"), mm_norm).compile_variant(v)
         return dict(v, ok=True, triton=_triton_version(), registers=c.registers, spill_bytes=c.spill_bytes, shared=c.shared,
@@ -106,21 +106,22 @@ def _triton_version() -> str:
 
 def main(argv=None) -> int:
     """``python -m fusenorm_inductor.kernels.hopper.offline [--jobs J]``: compile every variant the dispatch
-    can launch (``offline_variants`` of mm_norm, mm_norm_backward and norm_mm) for sm_90a and print one JSON object per line. Must run
+    can launch (``offline_variants`` of mm_norm, mm_norm_backward, norm_mm and gdpa) for sm_90a and print one JSON object per line. Must run
     without TRITON_INTERPRET (the interpreter replaces the jit functions the compiler needs)."""
     import argparse
     import json
     from concurrent.futures import ProcessPoolExecutor
 
-    from . import mm_norm, mm_norm_backward, norm_mm
+    from . import gdpa, mm_norm, mm_norm_backward, norm_mm
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--op", default=None, help="only this op's variants (mm_norm, mm_norm_backward, norm_mm)")
+    p.add_argument("--op", default=None, help="only this op's variants (mm_norm, mm_norm_backward, norm_mm, gdpa)")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the sm_90 compile needs the real compiler")
-    variants = mm_norm.offline_variants() + mm_norm_backward.offline_variants() + norm_mm.offline_variants()
+    variants = (mm_norm.offline_variants() + mm_norm_backward.offline_variants() + norm_mm.offline_variants()
+                + gdpa.offline_variants())
     if args.op is not None:
         variants = [v for v in variants if v.get("op", "mm_norm") == args.op]
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:

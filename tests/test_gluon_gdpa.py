@@ -1,0 +1,138 @@
+"""The sm_90 Gluon GDPA forward (kernels/hopper/gdpa.py) on the H200: numerics against the fp64 dense oracle
+with test_gdpa.py's per-element error bounds, the op's dispatch to it, and its fallbacks.
+
+Outputs are NaN-poisoned before the kernel writes them, so a row no program stores fails; lengths include 0, 1,
+a single partial tile, a length that is a multiple of the 64-row tile (no partial tile) and sequences that span
+several programs (8 tiles of 64 rows each). The compile of every variant for sm_90a runs on the CPU in
+test_gluon_compile.py.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fusenorm_inductor.kernels.hopper import _compat  # noqa: E402
+from tests.test_gdpa import (  # noqa: E402
+    BF16,
+    F16,
+    SCALE,
+    assert_within,
+    error_bounds,
+    make_inputs,
+    oracle_with_grads,
+)
+from fusenorm_inductor.ops.activations import ACTIVATIONS, activation_code  # noqa: E402
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = pytest.mark.skipif(not (SM90 and _compat.available()),
+                                reason="needs an sm_90 GPU and a triton with Gluon")
+
+
+def _gluon(q, k, v, offs, maxlen, activation, scale=SCALE):
+    from fusenorm_inductor.kernels.hopper import gdpa as hopper
+
+    o = torch.full_like(q, float("nan"))
+    hopper.gdpa_fwd_gluon(q, k, v, offs, o, maxlen, activation_code(activation), scale)
+    return o
+
+
+def _check(lengths, s, h, d, dtype, activation, seed=0, run=_gluon):
+    q, k, v, dout, offs, maxlen = make_inputs(lengths, s, h, d, dtype, "cuda", seed=seed)
+    got = run(q, k, v, offs, maxlen, activation)
+    want = oracle_with_grads(q, k, v, dout, offs, activation, SCALE)[0]
+    bound = error_bounds(q, k, v, dout, offs, activation, SCALE, dtype, dtype)["o"]
+    assert got.dtype == dtype
+    assert_within("o", got, want, 2.0 * bound)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+def test_every_activation(dtype, d, activation):
+    g = torch.Generator().manual_seed(d)
+    lengths = [300, 0, 1, 128, 65] + torch.randint(0, 301, (4,), generator=g).tolist()
+    _check(lengths, 128, 2, d, dtype, activation, seed=d)
+
+
+@pytest.mark.parametrize("s", [16, 32, 64])
+def test_short_kv_and_long_sequences(s):
+    """Sequences over several programs (512 rows each) and K/V shorter than the Q tile."""
+    _check([1100, 3, 513, 512], s, 3, 128, BF16, "fast_gelu", seed=s)
+
+
+@pytest.mark.parametrize("h", [1, 2])
+def test_many_items_per_program(h):
+    """More work items than SMs, so each persistent program walks several: sequences of 1-70 tokens (one
+    consumer often without a tile) between long ones, K and V changing per item."""
+    g = torch.Generator().manual_seed(h)
+    lengths = torch.randint(1, 71, (400,), generator=g).tolist()
+    lengths[::50] = [300] * 8
+    _check(lengths, 64, h, 64, BF16, "fast_gelu", seed=h)
+
+
+def test_one_head_one_sequence_and_last_rows():
+    """H = 1, and a last sequence that ends at T inside a tile (TMA zero-fills the rows past T)."""
+    _check([77], 128, 1, 64, BF16, "silu", seed=5)
+    _check([64, 129], 64, 1, 128, F16, "gelu", seed=6)
+
+
+def test_op_dispatches_to_gluon(monkeypatch):
+    """The op takes the Gluon kernel for bf16, D = 128, S = 128: the Triton forward kernel must not run."""
+    from fusenorm_inductor.ops import gdpa_kernels as gk
+    from fusenorm_inductor.ops.gdpa import gdpa
+
+    class Refuse:
+        def __getitem__(self, grid):
+            raise AssertionError("the Triton forward ran where the Gluon kernel takes the inputs")
+
+    monkeypatch.setattr(gk, "_gdpa_fwd_kernel", Refuse())
+    monkeypatch.setattr(gk, "_alloc", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                              device=device))
+    assert gk.gluon_unsupported(torch.empty(1, 2, 128, device="cuda", dtype=BF16),
+                                torch.empty(1, 128, 2, 128, device="cuda", dtype=BF16)) is None
+    _check([200, 0, 31], 128, 2, 128, BF16, "fast_gelu", run=lambda q, k, v, o, m, a: gdpa(q, k, v, o, m, a, SCALE))
+    # the cached plan on fresh tensors of the same signature (new addresses, new values)
+    _check([200, 0, 31], 128, 2, 128, BF16, "fast_gelu", seed=9,
+           run=lambda q, k, v, o, m, a: gdpa(q, k, v, o, m, a, SCALE))
+
+
+def test_bad_offsets_stay_inside_the_buffers():
+    """Unvalidated offsets (decreasing, past T) are clamped: no memory error, rows of q only."""
+    q, k, v, _, _, _ = make_inputs([40, 40], 64, 2, 64, BF16, "cuda")
+    bad = torch.tensor([0, 70, 10_000], dtype=torch.int32, device="cuda")
+    o = torch.zeros(q.shape[0] + 64, *q.shape[1:], device="cuda", dtype=BF16)[: q.shape[0]]
+    from fusenorm_inductor.kernels.hopper import gdpa as hopper
+
+    hopper.gdpa_fwd_gluon(q, k, v, bad, o, 200, activation_code("relu"), 1.0)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all()
+    # decreasing offsets: an empty second sequence, nothing written past T
+    bad = torch.tensor([0, 70, 5], dtype=torch.int32, device="cuda")
+    hopper.gdpa_fwd_gluon(q, k, v, bad, o, 200, activation_code("relu"), 1.0)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("what", ["s256", "s40", "d32", "fp32"])
+def test_unsupported_inputs_fall_back(what, monkeypatch):
+    """Inputs outside the kernel get a reason from ``gluon_unsupported`` and the op's Triton kernel runs."""
+    from fusenorm_inductor.ops import gdpa_kernels as gk
+    from fusenorm_inductor.ops.gdpa import gdpa
+
+    s, d, dtype = {"s256": (256, 64, BF16), "s40": (40, 64, BF16), "d32": (128, 32, BF16),
+                   "fp32": (128, 64, torch.float32)}[what]
+    q, k, v, dout, offs, maxlen = make_inputs([70, 5], s, 2, d, dtype, "cuda")
+    assert gk.gluon_unsupported(q, k) is not None
+    got = gdpa(q, k, v, offs, maxlen, "gelu", SCALE)
+    want = oracle_with_grads(q, k, v, dout, offs, "gelu", SCALE)[0]
+    bound = error_bounds(q, k, v, dout, offs, "gelu", SCALE, dtype, dtype)["o"]
+    assert_within("o", got, want, 2.0 * bound)
+
+
+def test_switch_off_takes_the_triton_kernel():
+    from fusenorm_inductor import config
+    from fusenorm_inductor.ops import gdpa_kernels as gk
+
+    q = torch.empty(4, 2, 128, device="cuda", dtype=BF16)
+    k = torch.empty(1, 128, 2, 128, device="cuda", dtype=BF16)
+    with config.patch(gluon=False):
+        assert "config.gluon" in gk.gluon_unsupported(q, k)
