@@ -473,6 +473,16 @@ class FlashNormAttentionGdpa(_BlockPattern):
         gdpa = _op("gdpa")
         return [] if gdpa is None else [n for n in graph.nodes if n.op == "call_function" and n.target is gdpa]
 
+    @staticmethod
+    def check_gluon_gdpa(qv, kv) -> None:
+        """Where the unfused ``fusenorm::gdpa`` runs the sm_90 Gluon forward, the block stays unfused: the fused
+        op's attention is a Triton kernel, about as fast as the Triton GDPA it replaced, and the Gluon GDPA
+        takes 0.6-0.75x of that one's time on the H200 (benchmarks/results/gdpa_gluon_h200.json)."""
+        from ..ops.gdpa_kernels import gluon_unsupported
+
+        require(gluon_unsupported(qv, kv) is not None,
+                "the unfused GDPA runs the sm_90 Gluon kernel here, faster than the fused block's Triton attention")
+
     def match(self, g: Node) -> BlockMatch:
         a = bind_op_args(g)
         qv = val(a["q"])
@@ -484,6 +494,7 @@ class FlashNormAttentionGdpa(_BlockPattern):
         self.check_users(head + [g] + tail, {final})
         require(val(a["k"]).dtype == qv.dtype == val(a["v"]).dtype, "q, k, v dtypes differ")
         self.fused_op()
+        self.check_gluon_gdpa(qv, val(a["k"]))
         self.check_inference(q, a["k"], a["v"], norm, rms,
                              "the fused backward measures 18-30% slower than gdpa + Inductor's norms on the H200")
         m = BlockMatch("gdpa", q, shape4, a["k"], a["v"], a["q_offsets"], int(a["max_seq_len_q"]),

@@ -86,6 +86,17 @@ def test_block_training_gate(device):
         assert check_forward(dense, attention_inputs("einsum"), device)["fna"] == 1
 
 
+def test_gdpa_block_left_to_the_gluon_gdpa(monkeypatch):
+    """Where the unfused GDPA would run the sm_90 Gluon forward (faked here on the CPU), the block stays
+    unfused, with the reason in the report, and the result is eager's."""
+    from fusenorm_inductor.ops import gdpa_kernels
+
+    monkeypatch.setattr(gdpa_kernels, "gluon_unsupported", lambda q, k: None)
+    gdpa = lambda: FlashNormAttentionBlock(2, 16, "gdpa", "fast_gelu", 0.5, True)  # noqa: E731
+    assert check_forward(gdpa, attention_inputs("gdpa"), "cpu") == {"fna": 0}
+    assert any("Gluon" in r for r in skips("attention_block"))
+
+
 @pytest.mark.parametrize("activation", GDPA_ACTIVATIONS)
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
 def test_gdpa_block_fused(activation, affine, device):
