@@ -49,7 +49,7 @@ def _label(v):
     from fusenorm_inductor.ops._triton_common import GemmConfig
 
     if v.get("op") == "gdpa":
-        return f"gdpa D={v['d']} S={v['s']} act={v['act']} {v['dtype']}"
+        return f"gdpa {v['kind']} D={v['d']} S={v['s']} act={v['act']} {v['dtype']} {v['config']}"
     base = " gemm-base" if v["gemm_only"] else ""
     op = v.get("op", "mm_norm")
     return f"{op} {GemmConfig(*v['config']).label()} N={v['n']} {v['flags']} save={v['save_normed']}{base}"
@@ -60,8 +60,8 @@ def _gemm(compiled):
 
 
 def test_every_path_is_compiled(compiled):
-    assert {(v["d"], v["act"]) for v in compiled if v.get("op") == "gdpa"} == {(d, a) for d in (64, 128)
-                                                                               for a in range(5)}
+    gdpa = {(v["kind"], v["d"], v["act"]) for v in compiled if v.get("op") == "gdpa"}
+    assert gdpa == {(k, d, a) for k in ("fwd", "dq", "dkdv") for d in (64, 128) for a in range(5)}, gdpa
     compiled = _gemm(compiled)
     kinds = {v["config"][0] for v in compiled}
     assert kinds == {"gl_coop", "gl_pp", "gl_cluster", "gl_rows"}, kinds

@@ -1,5 +1,6 @@
-"""The sm_90 Gluon GDPA forward (kernels/hopper/gdpa.py) on the H200: numerics against the fp64 dense oracle
-with test_gdpa.py's per-element error bounds, the op's dispatch to it, and its fallbacks.
+"""The sm_90 Gluon GDPA kernels (kernels/hopper/gdpa.py) on the H200: numerics of the forward and of the
+backward (dQ, dK/dV) against the fp64 dense oracle with test_gdpa.py's per-element error bounds, the op's
+dispatch to the forward, and its fallbacks.
 
 Outputs are NaN-poisoned before the kernel writes them, so a row no program stores fails; lengths include 0, 1,
 a single partial tile, a length that is a multiple of the 64-row tile (no partial tile) and sequences that span
@@ -17,6 +18,7 @@ from tests.test_gdpa import (  # noqa: E402
     F16,
     SCALE,
     assert_within,
+    check_all,
     error_bounds,
     make_inputs,
     oracle_with_grads,
@@ -136,3 +138,41 @@ def test_switch_off_takes_the_triton_kernel():
     k = torch.empty(1, 128, 2, 128, device="cuda", dtype=BF16)
     with config.patch(gluon=False):
         assert "config.gluon" in gk.gluon_unsupported(q, k)
+
+
+# ---- the backward (dQ, dK/dV): off in the op until these have run on the H200 (gdpa_kernels.GLUON_BACKWARD) ----
+
+
+def _check_backward(lengths, s, h, d, dtype, activation, seed=0):
+    from fusenorm_inductor.kernels.hopper import gdpa as hopper
+
+    q, k, v, dout, offs, maxlen = make_inputs(lengths, s, h, d, dtype, "cuda", seed=seed)
+    assert hopper.backward_unsupported(q, k) is None
+    dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+    hopper.gdpa_bwd_gluon(dout, q, k, v, offs, dq, dk, dv, maxlen, activation_code(activation), SCALE)
+    want = oracle_with_grads(q, k, v, dout, offs, activation, SCALE)
+    bounds = error_bounds(q, k, v, dout, offs, activation, SCALE, dtype, dtype)
+    check_all((None, dq, dk, dv), want, bounds)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+def test_backward_every_activation(dtype, d, activation):
+    """Lengths 0 (dK/dV zeros), 1, a partial tile, a multiple of the tile, and longer; S = 128 (two dK/dV
+    warpgroups)."""
+    g = torch.Generator().manual_seed(d + 1)
+    lengths = [300, 0, 1, 128, 65] + torch.randint(0, 301, (4,), generator=g).tolist()
+    _check_backward(lengths, 128, 2, d, dtype, activation, seed=d)
+
+
+def test_backward_one_warpgroup_and_long_sequences():
+    """S = 64 (one dK/dV warpgroup), sequences over several dQ work items, H = 3."""
+    _check_backward([1100, 3, 513, 0, 64], 64, 3, 128, BF16, "fast_gelu", seed=3)
+
+
+def test_backward_rejects_other_kv_lengths():
+    from fusenorm_inductor.kernels.hopper import gdpa as hopper
+
+    q, k, *_ = make_inputs([5], 32, 2, 64, BF16, "cuda")
+    assert "64 or 128" in hopper.backward_unsupported(q, k)

@@ -23,6 +23,17 @@ Rows of a Q tile past the sequence's end hold the next sequence's tokens (or TMA
 rows are computed and never stored. Sequence bounds are clamped into [0, T] as in the Triton kernels, so
 unvalidated offsets cannot address memory outside q and O.
 
+The backward (``gdpa_bwd_gluon``; the op does not use it yet: ops/gdpa_kernels.GLUON_BACKWARD) recomputes S
+per tile, as the Triton kernels do:
+- dQ (``gdpa_dq_kernel``): the forward's partitions with dO loaded beside each Q tile, one program per work
+  item; per tile and block of 64 K/V rows S = Q K^T and dP = dO V^T, dS = act'(S) * scale * dP rounded to the
+  dtype as the register operand of dQ += dS K.
+- dK/dV (``gdpa_dkdv_kernel``): one program per (b, h); K and V stay in shared memory, one consumer warpgroup
+  per 64 of their rows (S = 64 or 128), the sequence's Q and dO tiles stream through a ring both read; with
+  transposed tiles S^T = K Q^T and dP^T = V dO^T (no transposed results), dV += P^T dO and dK += dS^T Q, the
+  columns of Q rows past the sequence's end zeroed. Every dK/dV row has one owner (no atomics, the same bits
+  run to run); a sequence of length 0 gets zeros.
+
 q and O are read as [T, H * D] and K, V as [B * S, H * D] (views of the contiguous layouts): the tile of
 head h is the box at column h * D. The box of K and V is [S, D], so S must be a power of two in [16, 128]
 (no K/V rows of the next sequence enter a tile), D 64 or 128, and the dtype bf16 or fp16
@@ -56,7 +67,7 @@ from .gemm_core import mma_layout
 from ...ops._triton_common import num_sms
 from .mm_norm import SpillError, _descriptor
 
-__all__ = ["GdpaPlan", "gdpa_fwd_gluon", "unsupported", "choose_config"]
+__all__ = ["Plan", "gdpa_fwd_gluon", "gdpa_bwd_gluon", "unsupported", "backward_unsupported", "choose_config"]
 
 LOAD_REGS = 24
 MMA_REGS = 232
@@ -100,6 +111,72 @@ def _act(x, ACT: gl.constexpr):
 
 
 @gluon.jit
+def _act_grad(x, ACT: gl.constexpr):
+    """d act / dx for an fp32 tile (the backward's dS = act'(S) * scale * dP)."""
+    if ACT == 0:  # fast_gelu: with s = sigmoid(2 z), 0.5 (1 + tanh z) = s and 0.5 x (1 - tanh^2 z) z' = 2 x s (1 - s) z'
+        s = 1.0 / (1.0 + gl.exp2(x * (-2.302208198144325 - 0.1029432395800235 * x * x)))
+        g = s + 2.0 * x * s * (1.0 - s) * (0.7978845608028654 + 0.10703222440890037 * x * x)
+    elif ACT == 1:  # gelu: Phi(x) + x phi(x)
+        g = 0.5 * (1.0 + gl.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * gl.exp2(x * x * -0.7213475204444817)
+    elif ACT == 2:  # silu: s (1 + x (1 - s))
+        s = 1.0 / (1.0 + gl.exp2(x * -1.4426950408889634))
+        g = s * (1.0 + x * (1.0 - s))
+    elif ACT == 3:  # relu (0 at x = 0, as torch)
+        g = gl.where(x > 0.0, 1.0, 0.0)
+    else:
+        g = gl.full(x.shape, 1.0, gl.float32, x.type.layout)
+    return g
+
+
+DQ_SB = gl.constexpr(64)  # K/V rows per dS block of the dQ kernel
+
+
+@gluon.jit
+def _opaque_zero(i):
+    """0, computed from the loop counter i in a way the compiler cannot see through. Indexing a shared-memory
+    buffer with it makes the wgmma descriptors of that buffer loop-variant: otherwise the compiler hoists every
+    k-step's descriptor of every block out of the tile loop and keeps them live in registers (the backward
+    kernels spilled 8-300 bytes at D = 128 from that alone)."""
+    return gl.inline_asm_elementwise("and.b32 $0, $1, 0;", "=r,r", [i], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _ds_block(q, do, k_blk, v_blk, scale, ACT: gl.constexpr, op_layout: gl.constexpr):
+    """dS = act'(S) * scale * dP for one column block of K/V rows, S and dP recomputed, as dQ's wgmma operand."""
+    BM: gl.constexpr = q.type.shape[0]
+    SB: gl.constexpr = k_blk.type.shape[0]
+    s_layout: gl.constexpr = mma_layout(BM, SB, 4)
+    sc = warpgroup_mma(q, k_blk.permute((1, 0)), gl.zeros([BM, SB], gl.float32, layout=s_layout), use_acc=False,
+                       is_async=True)
+    dp = warpgroup_mma(do, v_blk.permute((1, 0)), gl.zeros([BM, SB], gl.float32, layout=s_layout), use_acc=False,
+                       is_async=True)
+    sc, dp = warpgroup_mma_wait(0, deps=(sc, dp))
+    return gl.convert_layout((_act_grad(sc, ACT) * scale * dp).to(q.dtype), op_layout)
+
+
+@gluon.jit
+def _dq_tile(q, do, k_buf, v_buf, scale, ACT: gl.constexpr, o_layout: gl.constexpr, SB_MAX: gl.constexpr):
+    """dQ of one Q tile, issued (the caller waits): S and dP recomputed in column blocks of SB K/V rows, dQ +=
+    dS K per block. Small blocks keep the activation's math beside the live dQ accumulator within the
+    registers (whole [BM, 128] S and dP tiles spilled at D = 128)."""
+    D: gl.constexpr = q.type.shape[1]
+    BM: gl.constexpr = q.type.shape[0]
+    S: gl.constexpr = k_buf.type.shape[0]
+    SB: gl.constexpr = SB_MAX if S > SB_MAX else S
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    # the first block's accumulator is made after its dS: a zero tile made before would be live through the math
+    ds = _ds_block(q, do, k_buf.slice(0, SB), v_buf.slice(0, SB), scale, ACT, op_layout)
+    dq = warpgroup_mma(ds, k_buf.slice(0, SB), gl.zeros([BM, D], gl.float32, layout=o_layout), use_acc=False,
+                       is_async=True)
+    for j in gl.static_range(1, S // SB):
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        k_blk = k_buf.slice(j * SB, SB)
+        ds = _ds_block(q, do, k_blk, v_buf.slice(j * SB, SB), scale, ACT, op_layout)
+        dq = warpgroup_mma(ds, k_blk, dq, is_async=True)
+    return dq
+
+
+@gluon.jit
 def _item(off_ptr, item, n_chunks, H, T, BM: gl.constexpr, CH: gl.constexpr):
     """(b, h, first row, end of the sequence, Q tiles) of work item ``item`` = (b * H + h) * n_chunks + chunk:
     CH tiles of BM rows from the chunk's first row, fewer at the sequence's end, none past it. The sequence's
@@ -115,20 +192,21 @@ def _item(off_ptr, item, n_chunks, H, T, BM: gl.constexpr, CH: gl.constexpr):
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, off_ptr, T, H,
-            n_chunks, n_items, CH: gl.constexpr):
+def _loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty,
+            off_ptr, T, H, n_chunks, n_items, CH: gl.constexpr, MODE: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     S: gl.constexpr = k_desc.block_type.shape[0]
     NQ: gl.constexpr = q_bufs.type.shape[0]
+    KVB: gl.constexpr = k_bufs.type.shape[0]
     c = 0  # Q tiles loaded so far (the ring's position)
     j = 0  # work items with tiles so far (the K/V buffer's position)
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
         b, h, row_begin, end, n_tiles = _item(off_ptr, item, n_chunks, H, T, BM, CH)
         if n_tiles > 0:
-            kb = j % 2
+            kb = j % KVB
             # a fresh mbarrier counts as having completed the phase before phase 0: the first laps pass
-            mbarrier.wait(kv_empty.index(kb), ((j // 2) & 1) ^ 1)
+            mbarrier.wait(kv_empty.index(kb), ((j // KVB) & 1) ^ 1)
             mbarrier.expect(kv_ready.index(2 * kb), k_desc.block_type.nbytes)
             tma_load(k_desc, [b * S, h * D], kv_ready.index(2 * kb), k_bufs.index(kb))
             mbarrier.expect(kv_ready.index(2 * kb + 1), v_desc.block_type.nbytes)
@@ -136,7 +214,11 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv
             for i in range(n_tiles):
                 s = (c + i) % NQ
                 mbarrier.wait(q_empty.index(s), (((c + i) // NQ) & 1) ^ 1)
-                mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+                if MODE == 0:
+                    mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+                else:  # dQ: the tile's dO too, on the same barrier
+                    mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes)
+                    tma_load(do_desc, [row_begin + i * BM, h * D], q_ready.index(s), do_bufs.index(s))
                 tma_load(q_desc, [row_begin + i * BM, h * D], q_ready.index(s), q_bufs.index(s))
             c += n_tiles
             j += 1
@@ -160,13 +242,17 @@ def _store_rows(o, o_ptr, o_buf, o_desc, row0, col, end, ld_o, BM: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_ptr, off_ptr, T, H,
-              n_chunks, n_items, scale, ACT: gl.constexpr, CH: gl.constexpr, CID: gl.constexpr):
+def _consumer(q_bufs, do_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_ptr, off_ptr, T,
+              H, n_chunks, n_items, scale, ACT: gl.constexpr, CH: gl.constexpr, CID: gl.constexpr,
+              MODE: gl.constexpr):
+    """MODE 0 (forward): O = act(Q K^T) * scale @ V. MODE 1 (dQ): dQ = (act'(Q K^T) * scale * (dO V^T)) @ K, S and dP
+    recomputed per tile (o_* then name dQ's output)."""
     BM: gl.constexpr = q_bufs.type.shape[1]
     D: gl.constexpr = q_bufs.type.shape[2]
     S: gl.constexpr = k_bufs.type.shape[1]
     NQ: gl.constexpr = q_bufs.type.shape[0]
     dtype: gl.constexpr = q_bufs.dtype
+    KVB: gl.constexpr = k_bufs.type.shape[0]
     s_layout: gl.constexpr = mma_layout(BM, S, 4)
     o_layout: gl.constexpr = mma_layout(BM, D, 4)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -177,8 +263,8 @@ def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_emp
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
         b, h, row_begin, end, n_tiles = _item(off_ptr, item, n_chunks, H, T, BM, CH)
         if n_tiles > 0:
-            kb = j % 2
-            kv_phase = (j // 2) & 1
+            kb = j % KVB
+            kv_phase = (j // KVB) & 1
             k_buf = k_bufs.index(kb)
             v_buf = v_bufs.index(kb)
             # Waited for even without tiles here: a consumer releases an item's K and V only after they landed,
@@ -188,14 +274,21 @@ def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_emp
             for i in range(CID, n_tiles, 2):
                 s = (c + i) % NQ
                 mbarrier.wait(q_ready.index(s), ((c + i) // NQ) & 1)
-                acc = warpgroup_mma(q_bufs.index(s), k_buf.permute((1, 0)),
-                                    gl.zeros([BM, S], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                mbarrier.arrive(q_empty.index(s))
-                p = gl.convert_layout((_act(acc, ACT) * scale).to(dtype), p_layout)
-                mbarrier.wait(kv_ready.index(2 * kb + 1), kv_phase)
-                o = warpgroup_mma(p, v_buf, gl.zeros([BM, D], gl.float32, layout=o_layout), use_acc=False,
-                                  is_async=True)
+                if MODE == 0:
+                    acc = warpgroup_mma(q_bufs.index(s), k_buf.permute((1, 0)),
+                                        gl.zeros([BM, S], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                    mbarrier.arrive(q_empty.index(s))
+                    p = gl.convert_layout((_act(acc, ACT) * scale).to(dtype), p_layout)
+                    mbarrier.wait(kv_ready.index(2 * kb + 1), kv_phase)
+                    o = warpgroup_mma(p, v_buf, gl.zeros([BM, D], gl.float32, layout=o_layout), use_acc=False,
+                                      is_async=True)
+                else:
+                    mbarrier.wait(kv_ready.index(2 * kb + 1), kv_phase)
+                    z = _opaque_zero(i)
+                    o = _dq_tile(q_bufs.index(s), do_bufs.index(s), k_bufs.index(kb + z), v_bufs.index(kb + z), scale,
+                                 ACT, o_layout, DQ_SB)
+                    mbarrier.arrive(q_empty.index(s))
                 o = warpgroup_mma_wait(0, deps=(o,))
                 _store_rows(o, o_ptr, o_buf, o_desc, row_begin + i * BM, h * D, end, ld_o, BM, D, o_layout)
             # this consumer's last read of the item's K and V has retired (each consumer arrives once)
@@ -212,33 +305,171 @@ def gdpa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n_chun
                     MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
     """O for the work items of this program (module docstring)."""
     gl.static_assert(num_warps == 4, "each consumer is one warpgroup")
+    _partitions(q_desc, q_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n_chunks, n_items, scale, ACT, CH, NQ, 0,
+                LOAD_REGS, MMA_REGS)
+
+
+@gluon.jit
+def gdpa_dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, dq_ptr, off_ptr, T, H, n_chunks, n_items, scale,
+                   ACT: gl.constexpr, CH: gl.constexpr, NQ: gl.constexpr, LOAD_REGS: gl.constexpr,
+                   MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """dQ for the work items of this program: the forward's structure with dO loaded beside each Q tile."""
+    gl.static_assert(num_warps == 4, "each consumer is one warpgroup")
+    _partitions(q_desc, do_desc, k_desc, v_desc, dq_desc, dq_ptr, off_ptr, T, H, n_chunks, n_items, scale, ACT, CH, NQ,
+                1, LOAD_REGS, MMA_REGS)
+
+
+@gluon.jit
+def _partitions(q_desc, do_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n_chunks, n_items, scale,
+                ACT: gl.constexpr, CH: gl.constexpr, NQ: gl.constexpr, MODE: gl.constexpr, LOAD_REGS: gl.constexpr,
+                MMA_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     S: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [NQ, BM, D], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [2, S, D], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [2, S, D], v_desc.layout)
+    if MODE == 0:
+        do_bufs = q_bufs  # not read
+    else:
+        do_bufs = gl.allocate_shared_memory(dtype, [NQ, BM, D], do_desc.layout)
+    # K/V buffers: two in the forward (the next item's land under the current one's tiles); one for dQ, whose
+    # program has one item (and with a runtime buffer index its wgmma descriptors did not fit the registers)
+    KVB: gl.constexpr = 2 if MODE == 0 else 1
+    k_bufs = gl.allocate_shared_memory(dtype, [KVB, S, D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [KVB, S, D], v_desc.layout)
     o_bufs = gl.allocate_shared_memory(dtype, [2, BM, D], o_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2 * KVB, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [KVB, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NQ):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
-    for i in gl.static_range(4):
+    for i in gl.static_range(2 * KVB):
         mbarrier.init(kv_ready.index(i), count=1)
-    for i in gl.static_range(2):
+    for i in gl.static_range(KVB):
         mbarrier.init(kv_empty.index(i), count=2)  # both consumers release an item's K and V
     gl.warp_specialize([
-        (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_ptr, off_ptr, T,
-                     H, n_chunks, n_items, scale, ACT, CH, 0)),
-        (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_ptr, off_ptr, T,
-                     H, n_chunks, n_items, scale, ACT, CH, 1)),
-        (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, off_ptr, T,
-                   H, n_chunks, n_items, CH)),
+        (_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_ptr,
+                     off_ptr, T, H, n_chunks, n_items, scale, ACT, CH, 0, MODE)),
+        (_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_ptr,
+                     off_ptr, T, H, n_chunks, n_items, scale, ACT, CH, 1, MODE)),
+        (_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready,
+                   kv_empty, off_ptr, T, H, n_chunks, n_items, CH, MODE)),
     ], [4, 1], [MMA_REGS, LOAD_REGS])
+
+
+@gluon.jit
+def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_buf, v_buf, q_ready, q_empty, kv_bar, b, h,
+                 start, n_tiles):
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    S: gl.constexpr = k_desc.block_type.shape[0]
+    NQ: gl.constexpr = q_bufs.type.shape[0]
+    mbarrier.expect(kv_bar.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma_load(k_desc, [b * S, h * D], kv_bar.index(0), k_buf.index(0))
+    tma_load(v_desc, [b * S, h * D], kv_bar.index(0), v_buf.index(0))
+    for i in range(n_tiles):
+        s = i % NQ
+        mbarrier.wait(q_empty.index(s), ((i // NQ) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes)
+        tma_load(q_desc, [start + i * BM, h * D], q_ready.index(s), q_bufs.index(s))
+        tma_load(do_desc, [start + i * BM, h * D], q_ready.index(s), do_bufs.index(s))
+
+
+@gluon.jit
+def _dkdv_consumer(q_bufs, do_bufs, k_buf, v_buf, out_bufs, q_ready, q_empty, kv_bar, dk_desc, dv_desc, b, h, start,
+                   end, n_tiles, scale, ACT: gl.constexpr, CID: gl.constexpr):
+    """dK and dV of this consumer's 64 rows of K/V over all the sequence's Q tiles, transposed tiles (S^T =
+    K Q^T is [64, BM], so no transpose of a result is needed): dV += P^T dO, dK += dS^T Q."""
+    BM: gl.constexpr = q_bufs.type.shape[1]
+    D: gl.constexpr = q_bufs.type.shape[2]
+    S: gl.constexpr = k_buf.type.shape[1]
+    NQ: gl.constexpr = q_bufs.type.shape[0]
+    dtype: gl.constexpr = q_bufs.dtype
+    R: gl.constexpr = 64  # K/V rows per consumer (one warpgroup's wgmma M)
+    t_layout: gl.constexpr = mma_layout(R, BM, 4)
+    acc_layout: gl.constexpr = mma_layout(R, D, 4)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    dk = gl.zeros([R, D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([R, D], gl.float32, layout=acc_layout)
+    cols = gl.arange(0, BM, layout=gl.SliceLayout(0, t_layout))
+    mbarrier.wait(kv_bar.index(0), 0)
+    for i in range(n_tiles):
+        s = i % NQ
+        mbarrier.wait(q_ready.index(s), (i // NQ) & 1)
+        z = _opaque_zero(i)
+        k_rows = k_buf.index(z).slice(CID * R, R)
+        v_rows = v_buf.index(z).slice(CID * R, R)
+        st = warpgroup_mma(k_rows, q_bufs.index(s).permute((1, 0)), gl.zeros([R, BM], gl.float32, layout=t_layout),
+                           use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_rows, do_bufs.index(s).permute((1, 0)),
+                            gl.zeros([R, BM], gl.float32, layout=t_layout), use_acc=False, is_async=True)
+        st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+        # Q rows past the sequence's end (the next sequence's, or TMA's zeros past T) must not contribute
+        ok = gl.expand_dims(cols < end - (start + i * BM), 0)
+        pt = gl.convert_layout(gl.where(ok, _act(st, ACT) * scale, 0.0).to(dtype), op_layout)
+        dv = warpgroup_mma(pt, do_bufs.index(s), dv, is_async=True)
+        dst = gl.convert_layout(gl.where(ok, _act_grad(st, ACT) * scale * dpt, 0.0).to(dtype), op_layout)
+        dk = warpgroup_mma(dst, q_bufs.index(s), dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        mbarrier.arrive(q_empty.index(s))
+    dk_buf = out_bufs.index(2 * CID)
+    dv_buf = out_bufs.index(2 * CID + 1)
+    dk_buf.store(dk.to(dtype))
+    dv_buf.store(dv.to(dtype))
+    fence_async_shared()
+    tma_store(dk_desc, [b * S + CID * R, h * D], dk_buf)
+    tma_store(dv_desc, [b * S + CID * R, h * D], dv_buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, off_ptr, T, H, scale, ACT: gl.constexpr,
+                     NQ: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """dK, dV of one (b, h) per program: K and V stay in shared memory (S = 64 or 128 rows, one consumer
+    warpgroup per 64), the sequence's Q and dO tiles stream through a ring that both consumers read. Each dK/dV
+    row has one owner (no atomics); a sequence of length 0 writes zeros."""
+    gl.static_assert(num_warps == 4, "each consumer is one warpgroup")
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    S: gl.constexpr = k_desc.block_type.shape[0]
+    NCONS: gl.constexpr = S // 64
+    dtype: gl.constexpr = q_desc.dtype
+    bh = gl.program_id(0)
+    b = bh // H
+    h = bh - b * H
+    end = gl.minimum(gl.maximum(gl.load(off_ptr + b + 1), 0), T)
+    start = gl.minimum(gl.maximum(gl.load(off_ptr + b), 0), end)
+    n_tiles = (end - start + (BM - 1)) // BM
+    q_bufs = gl.allocate_shared_memory(dtype, [NQ, BM, D], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [NQ, BM, D], do_desc.layout)
+    k_buf = gl.allocate_shared_memory(dtype, [1, S, D], k_desc.layout)  # one buffer, indexed by _opaque_zero
+    v_buf = gl.allocate_shared_memory(dtype, [1, S, D], v_desc.layout)
+    out_bufs = gl.allocate_shared_memory(dtype, [2 * NCONS, 64, D], dk_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NQ):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=NCONS)  # every consumer reads every tile
+    mbarrier.init(kv_bar.index(0), count=1)
+    if NCONS == 2:
+        gl.warp_specialize([
+            (_dkdv_consumer, (q_bufs, do_bufs, k_buf, v_buf, out_bufs, q_ready, q_empty, kv_bar, dk_desc, dv_desc, b,
+                              h, start, end, n_tiles, scale, ACT, 0)),
+            (_dkdv_consumer, (q_bufs, do_bufs, k_buf, v_buf, out_bufs, q_ready, q_empty, kv_bar, dk_desc, dv_desc, b,
+                              h, start, end, n_tiles, scale, ACT, 1)),
+            (_dkdv_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_buf, v_buf, q_ready, q_empty, kv_bar,
+                            b, h, start, n_tiles)),
+        ], [4, 1], [MMA_REGS, LOAD_REGS])
+    else:
+        gl.warp_specialize([
+            (_dkdv_consumer, (q_bufs, do_bufs, k_buf, v_buf, out_bufs, q_ready, q_empty, kv_bar, dk_desc, dv_desc, b,
+                              h, start, end, n_tiles, scale, ACT, 0)),
+            (_dkdv_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_buf, v_buf, q_ready, q_empty, kv_bar,
+                            b, h, start, n_tiles)),
+        ], [1], [LOAD_REGS])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -276,44 +507,54 @@ def _grid(config: GdpaGluonConfig, max_seq_len_q: int, nb: int, h: int) -> tuple
     return n_chunks, n_chunks * nb * h
 
 
-class GdpaPlan:
-    """The compiled forward for one argument signature (shapes, dtype, activation, max_seq_len_q); calling
-    it launches on new tensors of the same shapes. Raises ``SpillError`` when the specialization spills."""
+def backward_unsupported(q: Tensor, k: Tensor) -> Optional[str]:
+    """Why the Gluon backward kernels cannot run these inputs (None: they can)."""
+    why = unsupported(q, k)
+    if why is None and k.shape[1] not in (64, 128):
+        why = f"K/V length {k.shape[1]} (the backward kernels take 64 or 128: one dK/dV warpgroup per 64 rows)"
+    return why
 
-    def __init__(self, q, k, v, q_offsets, o, max_seq_len_q: int, act: int, scale: float,
-                 config: GdpaGluonConfig) -> None:
-        t, h, d = q.shape
-        nb, s = k.shape[0], k.shape[1]
-        self.config = config
-        self.blocks = ([config.block_m, d], [s, d], [s, d], [config.block_m, d])
-        self.n_chunks, self.n_items = _grid(config, max_seq_len_q, nb, h)
-        self.grid = max(1, min(self.n_items, num_sms(q.device)) if config.persistent else self.n_items)
-        self.consts = (act, config.chunk, config.q_stages, LOAD_REGS, MMA_REGS)
-        args = self._args(q, k, v, q_offsets, o, scale, descriptors=True)
-        compiled = L.compiled_kernel(gdpa_fwd_kernel, args + self.consts, 1, num_warps=4,
-                                     maxnreg=L.maxnreg(4 + 4 + 4))
+
+class Plan:
+    """One kernel of this module compiled for one argument signature, with its grid and compile-time
+    arguments: calling it launches on new tensors of the same shapes, strides and dtypes (``descs``: the 2-D
+    views the TMA descriptors cover, ``rest``: the runtime arguments after them). Raises ``SpillError`` when
+    the specialization spills registers (it is then never launched)."""
+
+    def __init__(self, kernel, label: str, descs: tuple, blocks: tuple, rest: tuple, consts: tuple, grid: int,
+                 total_warps: int, device: torch.device) -> None:
+        self.blocks, self.consts, self.grid = blocks, consts, grid
+        compiled = L.compiled_kernel(kernel, self._descriptors(descs) + rest + consts, 1, num_warps=4,
+                                     maxnreg=L.maxnreg(total_warps))
         if getattr(compiled, "n_spills", 0):
-            raise SpillError(f"{config.label()}: this specialization spills registers ({compiled.n_spills})")
+            raise SpillError(f"{label}: this specialization spills registers ({compiled.n_spills})")
         self.compiled = compiled
-        self.fast = L.fast_launcher(compiled, 4, 4, q.device)
+        self.fast = L.fast_launcher(compiled, len(descs), 4, device)
 
-    def _args(self, q, k, v, q_offsets, o, scale, descriptors: bool) -> tuple:
-        t, h, d = q.shape
-        nb, s = k.shape[0], k.shape[1]
-        descs = (q.view(t, h * d), k.view(nb * s, h * d), v.view(nb * s, h * d), o.view(t, h * d))
-        if descriptors:
-            descs = tuple(_descriptor(x, blk) for x, blk in zip(descs, self.blocks))
-        return descs + (o, q_offsets, t, h, self.n_chunks, self.n_items, float(scale))
+    def _descriptors(self, descs: tuple) -> tuple:
+        return tuple(_descriptor(x, blk) for x, blk in zip(descs, self.blocks))
 
-    def __call__(self, q, k, v, q_offsets, o, scale) -> None:
+    def __call__(self, descs: tuple, rest: tuple) -> None:
         if self.fast is not None:
-            args = self._args(q, k, v, q_offsets, o, scale, descriptors=False)
-            self.fast(self.grid, args[:4], args[4:] + self.consts)
+            self.fast(self.grid, descs, rest + self.consts)
             return
-        L.run(self.compiled, self.grid, self._args(q, k, v, q_offsets, o, scale, descriptors=True) + self.consts, 4)
+        L.run(self.compiled, self.grid, self._descriptors(descs) + rest + self.consts, 4)
 
 
 _PLANS: dict = {}
+
+
+def _launch(key: tuple, make, descs: tuple, rest: tuple) -> None:
+    """Launch the cached plan of ``key`` (made by ``make()`` on first use) on these tensors."""
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = make()
+    plan(descs, rest)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """A contiguous [..., H, D] tensor as [rows, H * D]: a head's tile is the TMA box at column h * D."""
+    return x.view(-1, x.shape[-2] * x.shape[-1])
 
 
 def gdpa_fwd_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, o: Tensor, max_seq_len_q: int, act: int,
@@ -322,43 +563,111 @@ def gdpa_fwd_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, o: Tensor
     and by ``unsupported``. The launch plan is cached per signature. ``config``: a benchmark hook (None:
     ``choose_config``)."""
     config = config or choose_config(max_seq_len_q)
-    key = (q.shape, k.shape, q.dtype, q.device, max_seq_len_q, act, config)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = GdpaPlan(q, k, v, q_offsets, o, max_seq_len_q, act, scale, config)
-    plan(q, k, v, q_offsets, o, scale)
+    t, h, d = q.shape
+    nb, s = k.shape[0], k.shape[1]
+    n_chunks, n_items = _grid(config, max_seq_len_q, nb, h)
+    descs = (_rows(q), _rows(k), _rows(v), _rows(o))
+    rest = (o, q_offsets, t, h, n_chunks, n_items, float(scale))
+
+    def make():
+        grid = max(1, min(n_items, num_sms(q.device)) if config.persistent else n_items)
+        return Plan(gdpa_fwd_kernel, config.label(), descs, ([config.block_m, d], [s, d], [s, d], [config.block_m, d]),
+                    rest, (act, config.chunk, config.q_stages, LOAD_REGS, MMA_REGS), grid, _warps("fwd", s), q.device)
+
+    _launch(("fwd", q.shape, k.shape, q.dtype, q.device, max_seq_len_q, act, config), make, descs, rest)
+
+
+def gdpa_bwd_gluon(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, dq: Tensor, dk: Tensor,
+                   dv: Tensor, max_seq_len_q: int, act: int, scale: float) -> None:
+    """Write (dq, dk, dv) of ``gdpa_backward_reference`` into the given contiguous buffers; inputs contiguous,
+    checked by the op and by ``backward_unsupported``, T > 0 and B * H > 0 (the caller handles the empty
+    cases). Two launches: dQ (the forward's structure, one program per work item) and dK/dV (one program per
+    (b, h))."""
+    t, h, d = q.shape
+    nb, s = k.shape[0], k.shape[1]
+    cfg = DQ_CONFIG
+    n_chunks, n_items = _grid(cfg, max_seq_len_q, nb, h)
+    descs = (_rows(q), _rows(dout), _rows(k), _rows(v), _rows(dq))
+    rest = (dq, q_offsets, t, h, n_chunks, n_items, float(scale))
+    tile, kv = [cfg.block_m, d], [s, d]
+
+    def make_dq():
+        return Plan(gdpa_dq_kernel, "gdpa dQ", descs, (tile, tile, kv, kv, tile), rest,
+                    (act, cfg.chunk, cfg.q_stages, LOAD_REGS, MMA_REGS), n_items, _warps("dq", s), q.device)
+
+    _launch(("dq", q.shape, k.shape, q.dtype, q.device, max_seq_len_q, act), make_dq, descs, rest)
+    bm = dkdv_block_m(d)
+    descs = (_rows(q), _rows(dout), _rows(k), _rows(v), _rows(dk), _rows(dv))
+    rest = (q_offsets, t, h, float(scale))
+
+    def make_dkdv():
+        return Plan(gdpa_dkdv_kernel, "gdpa dK/dV", descs, ([bm, d], [bm, d], kv, kv, [64, d], [64, d]), rest,
+                    (act, DKDV_STAGES, LOAD_REGS, MMA_REGS), nb * h, _warps("dkdv", s), q.device)
+
+    _launch(("dkdv", q.shape, k.shape, q.dtype, q.device, act), make_dkdv, descs, rest)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Offline compile (CPU tests, CI)
 # ----------------------------------------------------------------------------------------------------------
 
-_PARAMS = ("q_desc", "k_desc", "v_desc", "o_desc", "o_ptr", "off_ptr", "T", "H", "n_chunks", "n_items", "scale",
-           "ACT", "CH", "NQ", "LOAD_REGS", "MMA_REGS", "num_warps")
+_PARAMS = {
+    "fwd": ("q_desc", "k_desc", "v_desc", "o_desc", "o_ptr", "off_ptr", "T", "H", "n_chunks", "n_items", "scale",
+            "ACT", "CH", "NQ", "LOAD_REGS", "MMA_REGS", "num_warps"),
+    "dq": ("q_desc", "do_desc", "k_desc", "v_desc", "dq_desc", "dq_ptr", "off_ptr", "T", "H", "n_chunks", "n_items",
+           "scale", "ACT", "CH", "NQ", "LOAD_REGS", "MMA_REGS", "num_warps"),
+    "dkdv": ("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc", "off_ptr", "T", "H", "scale", "ACT", "NQ",
+             "LOAD_REGS", "MMA_REGS", "num_warps"),
+}
+DQ_CONFIG = GdpaGluonConfig(64, 8, 2, False)  # two slots of (Q, dO): with K/V double-buffered, 224 KiB
+DKDV_STAGES = 2
 
 
-def compile_offline(d: int, s: int, act: int, dtype: str = "bf16", config: GdpaGluonConfig = PERSISTENT):
+def dkdv_block_m(d: int) -> int:
+    """Q rows per tile of the dK/dV kernel: 32 at D = 128, where [64, 64] S^T and dP^T tiles beside the two
+    [64, D] accumulators spill."""
+    return 32 if d > 64 else 64
+
+
+def _kernel(kind: str):
+    return {"fwd": gdpa_fwd_kernel, "dq": gdpa_dq_kernel, "dkdv": gdpa_dkdv_kernel}[kind]
+
+
+def _warps(kind: str, s: int) -> int:
+    """All warps of a launch: the consumers' warpgroups and the loader's (padded to a warpgroup)."""
+    return 4 * (1 + (s // 64 if kind == "dkdv" else 2))
+
+
+def compile_offline(d: int, s: int, act: int, dtype: str = "bf16", config: GdpaGluonConfig = PERSISTENT,
+                    kind: str = "fwd"):
+    """Compile the forward (``kind`` "fwd"), dQ ("dq") or dK/dV ("dkdv") kernel for sm_90a on the CPU."""
     from .offline import compile_sm90, descriptor_type, runtime_attrs
 
-    bm = config.block_m
-    values = dict(q_desc=descriptor_type([bm, d], dtype), k_desc=descriptor_type([s, d], dtype),
-                  v_desc=descriptor_type([s, d], dtype), o_desc=descriptor_type([bm, d], dtype),
-                  o_ptr=f"*{dtype}", off_ptr="*i32", T="i32", H="i32", n_chunks="i32", n_items="i32",
-                  scale="fp32")
-    constexprs = dict(ACT=act, CH=config.chunk, NQ=config.q_stages, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS, num_warps=4)
-    signature = {p: values.get(p, "constexpr") for p in _PARAMS}
+    bm = config.block_m if kind != "dkdv" else dkdv_block_m(d)
+    tile, kv = descriptor_type([bm, d], dtype), descriptor_type([s, d], dtype)
+    values = dict(q_desc=tile, do_desc=tile, k_desc=kv, v_desc=kv, o_desc=tile, dq_desc=tile,
+                  dk_desc=descriptor_type([64, d], dtype), dv_desc=descriptor_type([64, d], dtype),
+                  o_ptr=f"*{dtype}", dq_ptr=f"*{dtype}", off_ptr="*i32", T="i32", H="i32", n_chunks="i32",
+                  n_items="i32", scale="fp32")
+    stages = DKDV_STAGES if kind == "dkdv" else config.q_stages
+    constexprs = dict(ACT=act, CH=config.chunk, NQ=stages, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS, num_warps=4)
+    signature = {p: values.get(p, "constexpr") for p in _PARAMS[kind]}
+    constexprs = {k: v for k, v in constexprs.items() if k in signature}
     attrs = runtime_attrs(signature, dict(T=1000, H=3, n_chunks=3, n_items=9))
-    return compile_sm90(gdpa_fwd_kernel, signature, constexprs, 4, L.maxnreg(12), attrs)
+    return compile_sm90(_kernel(kind), signature, constexprs, 4, L.maxnreg(_warps(kind, s)), attrs)
 
 
 def offline_variants() -> list[dict]:
-    """Every activation at D = 64 and 128, S = 128 (the register-heaviest S), bf16, in both configurations;
-    fp16 once."""
-    out = [dict(op="gdpa", d=d, s=128, act=a, dtype="bf16", config=list(c)) for d in HEAD_DIMS for a in range(5)
-           for c in (PERSISTENT, PER_ITEM)]
-    out += [dict(op="gdpa", d=128, s=32, act=0, dtype="fp16", config=list(PERSISTENT))]
+    """The forward: every activation at D = 64 and 128, S = 128 (the register-heaviest S), bf16, in both
+    schedules, fp16 once. The backward (dQ, dK/dV): every activation at D = 64 and 128, S = 128, and S = 64 (one
+    dK/dV consumer)."""
+    out = [dict(op="gdpa", kind="fwd", d=d, s=128, act=a, dtype="bf16", config=list(c)) for d in HEAD_DIMS
+           for a in range(5) for c in (PERSISTENT, PER_ITEM)]
+    out += [dict(op="gdpa", kind="fwd", d=128, s=32, act=0, dtype="fp16", config=list(PERSISTENT))]
+    out += [dict(op="gdpa", kind=k, d=d, s=s, act=a, dtype="bf16", config=list(DQ_CONFIG)) for k in ("dq", "dkdv")
+            for d in HEAD_DIMS for s in (64, 128) for a in range(5)]
     return out
 
 
 def compile_variant(v: dict):
-    return compile_offline(v["d"], v["s"], v["act"], v["dtype"], GdpaGluonConfig(*v["config"]))
+    return compile_offline(v["d"], v["s"], v["act"], v["dtype"], GdpaGluonConfig(*v["config"]), v["kind"])
