@@ -8,6 +8,7 @@ moved over the copy bandwidth (the memory floor: q read and O written once, K an
 |gluon - triton|. ``--configs`` times several Gluon configurations (the row's t_gluon_ms is the best).
 
     python benchmarks/probe_gdpa_gluon.py --out /tmp/gdpa.json
+    python benchmarks/probe_gdpa_gluon.py --dir bwd --out /tmp/gdpa_bwd.json    # the Gluon backward (dQ, dK/dV)
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main() -> None:
     p.add_argument("--configs", default="auto",
                    help="Gluon configs, comma-separated: auto (the dispatch's choice per point) or "
                         "BMxCHUNKqSTAGES[p] (p: persistent)")
+    p.add_argument("--dir", choices=["fwd", "bwd"], default="fwd",
+                   help="bwd: the Gluon backward (dQ and dK/dV) against the Triton backward (--configs unused)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -62,17 +65,33 @@ def main() -> None:
             case = fna.Case(args.batch, 128, h, args.dim, lmax, 0.5, "cuda")
             q, k, v, offs = case.q, case.k, case.v, case.offsets
             o = torch.empty_like(q)
-            cfg = gk.fwd_config(lmax, 128, args.dim, q.dtype)
             act = activation_code("fast_gelu")
-            fns = {"triton": lambda: gk.gdpa_fwd_triton(q, k, v, offs, lmax, "fast_gelu", 1.0, cfg)}
-            for c in configs:
-                fns[c.label()] = lambda c=c: hopper.gdpa_fwd_gluon(q, k, v, offs, o, lmax, act, 1.0, c)
-            ref = fns["triton"]()
-            diff = 0.0
-            for c in configs:
-                o.fill_(float("nan"))
-                fns[c.label()]()
-                diff = max(diff, gn.max_abs_diff(o, ref))
+            if args.dir == "fwd":
+                cfg = gk.fwd_config(lmax, 128, args.dim, q.dtype)
+                fns = {"triton": lambda: gk.gdpa_fwd_triton(q, k, v, offs, lmax, "fast_gelu", 1.0, cfg)}
+                for c in configs:
+                    fns[c.label()] = lambda c=c: hopper.gdpa_fwd_gluon(q, k, v, offs, o, lmax, act, 1.0, c)
+                ref = fns["triton"]()
+                diff = 0.0
+                for c in configs:
+                    o.fill_(float("nan"))
+                    fns[c.label()]()
+                    diff = max(diff, gn.max_abs_diff(o, ref))
+                nbytes = 2 * q.numel() * 2 + 2 * k.numel() * 2  # q read, O written, K and V read once
+            else:
+                dout = torch.randn_like(q)
+                cfgs = (gk.dq_config(lmax, 128, args.dim, q.dtype),
+                        gk.dkdv_config(lmax, 128, args.dim, q.dtype, args.batch * h, q.device))
+                grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+                configs = [hopper.DQ_CONFIG]
+                fns = {"triton": lambda: gk.gdpa_bwd_triton(dout, q, k, v, offs, lmax, "fast_gelu", 1.0, *cfgs),
+                       configs[0].label(): lambda: hopper.gdpa_bwd_gluon(dout, q, k, v, offs, *grads, lmax, act, 1.0)}
+                ref = fns["triton"]()
+                for g in grads:
+                    g.fill_(float("nan"))
+                fns[configs[0].label()]()
+                diff = max(gn.max_abs_diff(g, r) for g, r in zip(grads, ref))
+                nbytes = 3 * q.numel() * 2 + 4 * k.numel() * 2  # q, dO read, dQ written; K, V read, dK, dV written
             times = {name: [] for name in fns}
             for _ in range(args.rounds):
                 for name, fn in fns.items():
@@ -80,9 +99,8 @@ def main() -> None:
             t = {name: statistics.median(ts) for name, ts in times.items()}
             best = min((c.label() for c in configs), key=lambda name: t[name])
             t["gluon"] = t[best]
-            flops = case.gdpa_flops("fwd")
-            nbytes = 2 * q.numel() * 2 + 2 * k.numel() * 2  # q read, O written, K and V read once
-            row = dict(H=h, Lmax=lmax, tokens=case.total, t_gluon_ms=t["gluon"], t_triton_ms=t["triton"],
+            flops = case.gdpa_flops(args.dir)
+            row = dict(H=h, Lmax=lmax, dir=args.dir, tokens=case.total, t_gluon_ms=t["gluon"], t_triton_ms=t["triton"],
                        gluon_config=best, configs_ms={c.label(): t[c.label()] for c in configs},
                        rounds_ms=times,
                        speedup=t["triton"] / t["gluon"], gdpa_tflops=flops / t["gluon"] / 1e9,
@@ -97,7 +115,7 @@ def main() -> None:
             del case, q, k, v, o
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now().isoformat(timespec="seconds"), ceilings=ceilings,
-                configs=args.configs, shape=dict(B=args.batch, S=128, D=args.dim, activation="fast_gelu",
+                configs=args.configs, dir=args.dir, shape=dict(B=args.batch, S=128, D=args.dim, activation="fast_gelu",
                                                            lengths="uniform in [1, Lmax]", dtype="bfloat16"),
                 timer="cudagraph median of --rounds alternating rounds, ms")
     with open(args.out, "w") as f:
