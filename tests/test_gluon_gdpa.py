@@ -176,3 +176,34 @@ def test_backward_rejects_other_kv_lengths():
 
     q, k, *_ = make_inputs([5], 32, 2, 64, BF16, "cuda")
     assert "64 or 128" in hopper.backward_unsupported(q, k)
+
+
+# ---- FlashNormAttention's attention step (off in the op until this has run: GLUON_ATTENTION) ----
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("h", [1, 2])
+def test_flash_norm_attention_on_the_gluon_attention(monkeypatch, h, affine):
+    """The fused block's forward with its attention step on the Gluon kernel, against the reference, with the
+    bounds test_flash_norm_attention.py uses for the Triton kernels (8 bf16 units)."""
+    from fusenorm_inductor.ops import flash_norm_attention_kernels as kern
+    from fusenorm_inductor.ops.flash_norm_attention import flash_norm_attention_reference
+    from tests.test_flash_norm_attention import _call, _close, _inputs
+
+    monkeypatch.setattr(kern, "GLUON_ATTENTION", True)
+    monkeypatch.setattr(kern, "_alloc", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                                device=device))
+    calls = []
+    from fusenorm_inductor.kernels.hopper import gdpa as hopper
+
+    real = hopper.fna_attention_gluon
+    monkeypatch.setattr(hopper, "fna_attention_gluon", lambda *a: calls.append(1) or real(*a))
+    lengths = (300, 0, 1, 157, 64, 299, 12, 200, 1100)
+    q, k, v, off, max_len, ws = _inputs(lengths, 128, h, 128, dtype=BF16, device="cuda", seed=10 + h,
+                                        affine=affine)
+    got = _call(kern.flash_norm_attention_triton, q, k, v, off, max_len, ws, "fast_gelu")
+    want = _call(flash_norm_attention_reference, q, k, v, off, max_len, ws, "fast_gelu")
+    assert calls, "the Gluon attention did not run"
+    for name, gg, ww, u_dtype, c in zip(("out", "ln_mean", "ln_rstd", "rms_rstd", "rms_in"), got, want,
+                                        (BF16, torch.float32, torch.float32, BF16, BF16), (8, 16, 16, 8, 8)):
+        _close(gg, ww, u_dtype, c, name)

@@ -62,6 +62,11 @@ from .activations import act_bwd, act_fwd, activation_code
 
 __all__ = ["FnaConfig", "fna_config", "flash_norm_attention_triton", "flash_norm_attention_backward_triton"]
 
+# The forward's attention step on sm_90 as a Gluon kernel (kernels/hopper/gdpa.py, fna_attention_gluon): compiles
+# clean for sm_90a but has not run on the H200 yet, so it stays off until its test (tests/test_gluon_gdpa.py) and
+# timings have.
+GLUON_ATTENTION = False
+
 
 class FnaConfig(NamedTuple):
     block_m: int  # tokens per Q tile (forward, backward Q-tile kernel); Q rows per step (dK/dV kernel)
@@ -481,6 +486,28 @@ def _token_args(q: Tensor):
                 EVEN_D=d == pow2_at_least(d), num_warps=4)
 
 
+def _gluon_attention(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, mean, rstd, rms_in, ss, activation,
+                     scale) -> bool:
+    """The attention step on the sm_90 Gluon kernel where it is switched on and takes the inputs (contiguous
+    q, k, v and weights; what ``gdpa_kernels.gluon_unsupported`` accepts); False: the Triton kernel runs."""
+    if not GLUON_ATTENTION:
+        return False
+    from .gdpa_kernels import gluon_unsupported
+
+    tensors = [x for x in (q, k, v, ln_weight, ln_bias) if x is not None]
+    if gluon_unsupported(q, k) is not None or not all(x.is_contiguous() for x in tensors):
+        return False
+    from ..kernels.hopper import gdpa as hopper
+    from ..kernels.hopper.mm_norm import SpillError
+
+    try:
+        hopper.fna_attention_gluon(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, mean, rstd, rms_in, ss,
+                                   activation_code(activation), scale)
+    except SpillError:
+        return False
+    return True
+
+
 def flash_norm_attention_triton(
     q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
     ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], rms_weight: Optional[Tensor],
@@ -490,6 +517,7 @@ def flash_norm_attention_triton(
     checked. ``config``: a test hook (the attention kernel's tiles); None takes ``fna_config``."""
     t, h, d = q.shape
     dev, f32 = q.device, torch.float32
+    explicit = config is not None
     config = config or fna_config(q, k)
     out = _alloc((t, h, d), q.dtype, dev)
     rms_in = _alloc((t, h, d), q.dtype, dev)
@@ -501,10 +529,13 @@ def flash_norm_attention_triton(
     n_t = triton.cdiv(t, tok["BLOCK_T"])
     _stats_kernel[(n_t,)](q, mean, rstd, t, h, d, *q.stride(), float(ln_eps), **tok)
     ss = _alloc((t, h), f32, dev)
-    _attn_fwd_kernel[(k.shape[0] * n_m * h,)](
-        q, k, v, q_offsets, ln_weight, ln_bias, mean, rstd, rms_in, ss, n_m=n_m, scale=float(scale),
-        HAS_W1=ln_weight is not None, HAS_B1=ln_bias is not None, **_common(q, k, v, config, activation),
-    )
+    # config given (a test hook for the Triton tiles): the Triton kernel
+    if explicit or not _gluon_attention(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, mean, rstd, rms_in, ss,
+                                        activation, scale):
+        _attn_fwd_kernel[(k.shape[0] * n_m * h,)](
+            q, k, v, q_offsets, ln_weight, ln_bias, mean, rstd, rms_in, ss, n_m=n_m, scale=float(scale),
+            HAS_W1=ln_weight is not None, HAS_B1=ln_bias is not None, **_common(q, k, v, config, activation),
+        )
     _fwd_finish_kernel[(n_t,)](q, rms_weight, rms_in, ss, out, r2, t, h, d, *q.stride(), float(rms_eps),
                                HAS_W2=rms_weight is not None, BLOCK_H=pow2_at_least(h, 1), **tok)
     return out, mean, rstd, r2, rms_in

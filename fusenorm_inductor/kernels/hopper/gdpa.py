@@ -34,6 +34,11 @@ per tile, as the Triton kernels do:
   columns of Q rows past the sequence's end zeroed. Every dK/dV row has one owner (no atomics, the same bits
   run to run); a sequence of length 0 gets zeros.
 
+FlashNormAttention's attention step (``fna_attention_gluon``, the forward's partitions in MODE 2; off in the op:
+ops/flash_norm_attention_kernels.GLUON_ATTENTION) rebuilds ln_q from each Q tile in shared memory and the token
+statistics, feeds it to S's wgmma as the register operand, starts O's accumulator at ln_q (the residual), and
+stores O rounded with its per-head sums of squares for the RMSNorm that a per-token kernel finishes.
+
 q and O are read as [T, H * D] and K, V as [B * S, H * D] (views of the contiguous layouts): the tile of
 head h is the box at column h * D. The box of K and V is [S, D], so S must be a power of two in [16, 128]
 (no K/V rows of the next sequence enter a tile), D 64 or 128, and the dtype bf16 or fp16
@@ -57,6 +62,7 @@ from ._compat import (
     gl,
     gluon,
     mbarrier,
+    thread_barrier,
     tma,
     tma_load,
     tma_store,
@@ -67,7 +73,7 @@ from .gemm_core import mma_layout
 from ...ops._triton_common import num_sms
 from .mm_norm import SpillError, _descriptor
 
-__all__ = ["Plan", "gdpa_fwd_gluon", "gdpa_bwd_gluon", "unsupported", "backward_unsupported", "choose_config"]
+__all__ = ["Plan", "gdpa_fwd_gluon", "gdpa_bwd_gluon", "fna_attention_gluon", "unsupported", "backward_unsupported", "choose_config"]
 
 LOAD_REGS = 24
 MMA_REGS = 232
@@ -214,7 +220,7 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_
             for i in range(n_tiles):
                 s = (c + i) % NQ
                 mbarrier.wait(q_empty.index(s), (((c + i) // NQ) & 1) ^ 1)
-                if MODE == 0:
+                if MODE != 1:
                     mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
                 else:  # dQ: the tile's dO too, on the same barrier
                     mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes)
@@ -242,11 +248,42 @@ def _store_rows(o, o_ptr, o_buf, o_desc, row0, col, end, ld_o, BM: gl.constexpr,
 
 
 @gluon.jit
+def _ln_tile(q_smem, row0, end, h, eargs, FLAGS: gl.constexpr, layout: gl.constexpr):
+    """ln_q (fp32, ``layout``) of the Q tile in shared memory: (q - mean) * rstd (* w1 + b1) with the token
+    statistics of its rows (0 for rows past the sequence's end, which are never stored) and head h's slice of
+    the LayerNorm's weight and bias."""
+    BM: gl.constexpr = q_smem.type.shape[0]
+    D: gl.constexpr = q_smem.type.shape[1]
+    w1_ptr, b1_ptr, mean_ptr, rstd_ptr, ss_ptr = eargs
+    rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    cols = h * D + gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    ok = rows < end
+    mean = gl.load(mean_ptr + rows, mask=ok, other=0.0)
+    rstd = gl.load(rstd_ptr + rows, mask=ok, other=0.0)
+    x = q_smem.load(layout).to(gl.float32)
+    y = (x - gl.expand_dims(mean, 1)) * gl.expand_dims(rstd, 1)
+    if FLAGS & 1:
+        y = y * gl.expand_dims(gl.load(w1_ptr + cols).to(gl.float32), 0)
+    if FLAGS & 2:
+        y = y + gl.expand_dims(gl.load(b1_ptr + cols).to(gl.float32), 0)
+    return y
+
+
+@gluon.jit
+def _store_row_sums(ss, ss_ptr, row0, end, h, H, BM: gl.constexpr, layout: gl.constexpr):
+    """Head h's per-token sums into ss [T, H] (fp32), the sequence's rows only."""
+    rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    gl.store(ss_ptr + rows.to(gl.int64) * H + h, ss, mask=rows < end)
+
+
+@gluon.jit
 def _consumer(q_bufs, do_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_ptr, off_ptr, T,
-              H, n_chunks, n_items, scale, ACT: gl.constexpr, CH: gl.constexpr, CID: gl.constexpr,
-              MODE: gl.constexpr):
+              H, n_chunks, n_items, scale, eargs, ACT: gl.constexpr, CH: gl.constexpr, CID: gl.constexpr,
+              MODE: gl.constexpr, FLAGS: gl.constexpr):
     """MODE 0 (forward): O = act(Q K^T) * scale @ V. MODE 1 (dQ): dQ = (act'(Q K^T) * scale * (dO V^T)) @ K, S and dP
-    recomputed per tile (o_* then name dQ's output)."""
+    recomputed per tile (o_* then name dQ's output). MODE 2 (FlashNormAttention's attention): ln_q = the
+    LayerNorm of the Q tile from the token statistics, O = act(ln_q K^T) * scale @ V + ln_q, rounded, and
+    sum(O^2) per token for the RMSNorm (``eargs`` = (w1, b1, mean, rstd, ss) pointers, FLAGS: 1 w1, 2 b1)."""
     BM: gl.constexpr = q_bufs.type.shape[1]
     D: gl.constexpr = q_bufs.type.shape[2]
     S: gl.constexpr = k_bufs.type.shape[1]
@@ -283,13 +320,27 @@ def _consumer(q_bufs, do_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_read
                     mbarrier.wait(kv_ready.index(2 * kb + 1), kv_phase)
                     o = warpgroup_mma(p, v_buf, gl.zeros([BM, D], gl.float32, layout=o_layout), use_acc=False,
                                       is_async=True)
-                else:
+                elif MODE == 1:
                     mbarrier.wait(kv_ready.index(2 * kb + 1), kv_phase)
                     z = _opaque_zero(i)
                     o = _dq_tile(q_bufs.index(s), do_bufs.index(s), k_bufs.index(kb + z), v_bufs.index(kb + z), scale,
                                  ACT, o_layout, DQ_SB)
                     mbarrier.arrive(q_empty.index(s))
+                else:
+                    lnq = _ln_tile(q_bufs.index(s), row_begin + i * BM, end, h, eargs, FLAGS, o_layout)
+                    thread_barrier()  # every thread has read the Q slot
+                    mbarrier.arrive(q_empty.index(s))
+                    a = gl.convert_layout(lnq.to(dtype), gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+                    acc = warpgroup_mma(a, k_buf.permute((1, 0)), gl.zeros([BM, S], gl.float32, layout=s_layout),
+                                        use_acc=False, is_async=True)
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                    p = gl.convert_layout((_act(acc, ACT) * scale).to(dtype), p_layout)
+                    mbarrier.wait(kv_ready.index(2 * kb + 1), kv_phase)
+                    o = warpgroup_mma(p, v_buf, lnq, is_async=True)  # residual 1: the accumulator starts at ln_q
                 o = warpgroup_mma_wait(0, deps=(o,))
+                if MODE == 2:
+                    o = o.to(dtype).to(gl.float32)  # rounded as stored: the RMS sees the o the backward gets
+                    _store_row_sums(gl.sum(o * o, axis=1), eargs[4], row_begin + i * BM, end, h, H, BM, o_layout)
                 _store_rows(o, o_ptr, o_buf, o_desc, row_begin + i * BM, h * D, end, ld_o, BM, D, o_layout)
             # this consumer's last read of the item's K and V has retired (each consumer arrives once)
             mbarrier.wait(kv_ready.index(2 * kb + 1), kv_phase)
@@ -305,8 +356,19 @@ def gdpa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n_chun
                     MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
     """O for the work items of this program (module docstring)."""
     gl.static_assert(num_warps == 4, "each consumer is one warpgroup")
-    _partitions(q_desc, q_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n_chunks, n_items, scale, ACT, CH, NQ, 0,
-                LOAD_REGS, MMA_REGS)
+    _partitions(q_desc, q_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n_chunks, n_items, scale, (), ACT, CH,
+                NQ, 0, 0, LOAD_REGS, MMA_REGS)
+
+
+@gluon.jit
+def gdpa_fna_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n_chunks, n_items, scale, w1_ptr, b1_ptr,
+                    mean_ptr, rstd_ptr, ss_ptr, ACT: gl.constexpr, CH: gl.constexpr, NQ: gl.constexpr,
+                    FLAGS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """FlashNormAttention's attention (MODE 2 of the partitions): o = GDPA(ln_q) + ln_q and its per-head sums
+    of squares, ln_q rebuilt from the Q tiles in shared memory and the token statistics."""
+    gl.static_assert(num_warps == 4, "each consumer is one warpgroup")
+    _partitions(q_desc, q_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n_chunks, n_items, scale,
+                (w1_ptr, b1_ptr, mean_ptr, rstd_ptr, ss_ptr), ACT, CH, NQ, 2, FLAGS, LOAD_REGS, MMA_REGS)
 
 
 @gluon.jit
@@ -315,26 +377,26 @@ def gdpa_dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, dq_ptr, off_ptr, T,
                    MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
     """dQ for the work items of this program: the forward's structure with dO loaded beside each Q tile."""
     gl.static_assert(num_warps == 4, "each consumer is one warpgroup")
-    _partitions(q_desc, do_desc, k_desc, v_desc, dq_desc, dq_ptr, off_ptr, T, H, n_chunks, n_items, scale, ACT, CH, NQ,
-                1, LOAD_REGS, MMA_REGS)
+    _partitions(q_desc, do_desc, k_desc, v_desc, dq_desc, dq_ptr, off_ptr, T, H, n_chunks, n_items, scale, (), ACT, CH,
+                NQ, 1, 0, LOAD_REGS, MMA_REGS)
 
 
 @gluon.jit
-def _partitions(q_desc, do_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n_chunks, n_items, scale,
-                ACT: gl.constexpr, CH: gl.constexpr, NQ: gl.constexpr, MODE: gl.constexpr, LOAD_REGS: gl.constexpr,
-                MMA_REGS: gl.constexpr):
+def _partitions(q_desc, do_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n_chunks, n_items, scale, eargs,
+                ACT: gl.constexpr, CH: gl.constexpr, NQ: gl.constexpr, MODE: gl.constexpr, FLAGS: gl.constexpr,
+                LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     S: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [NQ, BM, D], q_desc.layout)
-    if MODE == 0:
+    if MODE != 1:
         do_bufs = q_bufs  # not read
     else:
         do_bufs = gl.allocate_shared_memory(dtype, [NQ, BM, D], do_desc.layout)
     # K/V buffers: two in the forward (the next item's land under the current one's tiles); one for dQ, whose
     # program has one item (and with a runtime buffer index its wgmma descriptors did not fit the registers)
-    KVB: gl.constexpr = 2 if MODE == 0 else 1
+    KVB: gl.constexpr = 1 if MODE == 1 else 2
     k_bufs = gl.allocate_shared_memory(dtype, [KVB, S, D], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [KVB, S, D], v_desc.layout)
     o_bufs = gl.allocate_shared_memory(dtype, [2, BM, D], o_desc.layout)
@@ -351,9 +413,9 @@ def _partitions(q_desc, do_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n
         mbarrier.init(kv_empty.index(i), count=2)  # both consumers release an item's K and V
     gl.warp_specialize([
         (_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_ptr,
-                     off_ptr, T, H, n_chunks, n_items, scale, ACT, CH, 0, MODE)),
+                     off_ptr, T, H, n_chunks, n_items, scale, eargs, ACT, CH, 0, MODE, FLAGS)),
         (_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_ptr,
-                     off_ptr, T, H, n_chunks, n_items, scale, ACT, CH, 1, MODE)),
+                     off_ptr, T, H, n_chunks, n_items, scale, eargs, ACT, CH, 1, MODE, FLAGS)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready,
                    kv_empty, off_ptr, T, H, n_chunks, n_items, CH, MODE)),
     ], [4, 1], [MMA_REGS, LOAD_REGS])
@@ -577,6 +639,31 @@ def gdpa_fwd_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, o: Tensor
     _launch(("fwd", q.shape, k.shape, q.dtype, q.device, max_seq_len_q, act, config), make, descs, rest)
 
 
+def fna_attention_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
+                        ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], mean: Tensor, rstd: Tensor,
+                        rms_in: Tensor, ss: Tensor, act: int, scale: float) -> None:
+    """FlashNormAttention's attention step on the forward's structure: rms_in = GDPA(ln_q) + ln_q (rounded to q's
+    dtype) and ss [T, H] = its per-head row sums of squares, ln_q rebuilt from q and the LayerNorm statistics
+    (mean, rstd [T] fp32) with the norm's weight and bias (contiguous [H * D], or None)."""
+    config = choose_config(max_seq_len_q)
+    t, h, d = q.shape
+    nb, s = k.shape[0], k.shape[1]
+    n_chunks, n_items = _grid(config, max_seq_len_q, nb, h)
+    flags = (1 if ln_weight is not None else 0) | (2 if ln_bias is not None else 0)
+    descs = (_rows(q), _rows(k), _rows(v), _rows(rms_in))
+    rest = (rms_in, q_offsets, t, h, n_chunks, n_items, float(scale),
+            ln_weight if ln_weight is not None else mean, ln_bias if ln_bias is not None else mean, mean, rstd, ss)
+
+    def make():
+        grid = max(1, min(n_items, num_sms(q.device)) if config.persistent else n_items)
+        tile = [config.block_m, d]
+        return Plan(gdpa_fna_kernel, "fna " + config.label(), descs, (tile, [s, d], [s, d], tile), rest,
+                    (act, config.chunk, config.q_stages, flags, LOAD_REGS, MMA_REGS), grid, _warps("fwd", s), q.device)
+
+    dtypes = tuple(None if w is None else w.dtype for w in (ln_weight, ln_bias))
+    _launch(("fna", q.shape, k.shape, q.dtype, q.device, max_seq_len_q, act, config, dtypes), make, descs, rest)
+
+
 def gdpa_bwd_gluon(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, dq: Tensor, dk: Tensor,
                    dv: Tensor, max_seq_len_q: int, act: int, scale: float) -> None:
     """Write (dq, dk, dv) of ``gdpa_backward_reference`` into the given contiguous buffers; inputs contiguous,
@@ -616,6 +703,9 @@ _PARAMS = {
             "ACT", "CH", "NQ", "LOAD_REGS", "MMA_REGS", "num_warps"),
     "dq": ("q_desc", "do_desc", "k_desc", "v_desc", "dq_desc", "dq_ptr", "off_ptr", "T", "H", "n_chunks", "n_items",
            "scale", "ACT", "CH", "NQ", "LOAD_REGS", "MMA_REGS", "num_warps"),
+    "fna": ("q_desc", "k_desc", "v_desc", "o_desc", "o_ptr", "off_ptr", "T", "H", "n_chunks", "n_items", "scale",
+            "w1_ptr", "b1_ptr", "mean_ptr", "rstd_ptr", "ss_ptr", "ACT", "CH", "NQ", "FLAGS", "LOAD_REGS", "MMA_REGS",
+            "num_warps"),
     "dkdv": ("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc", "off_ptr", "T", "H", "scale", "ACT", "NQ",
              "LOAD_REGS", "MMA_REGS", "num_warps"),
 }
@@ -630,7 +720,7 @@ def dkdv_block_m(d: int) -> int:
 
 
 def _kernel(kind: str):
-    return {"fwd": gdpa_fwd_kernel, "dq": gdpa_dq_kernel, "dkdv": gdpa_dkdv_kernel}[kind]
+    return {"fwd": gdpa_fwd_kernel, "dq": gdpa_dq_kernel, "dkdv": gdpa_dkdv_kernel, "fna": gdpa_fna_kernel}[kind]
 
 
 def _warps(kind: str, s: int) -> int:
@@ -639,7 +729,7 @@ def _warps(kind: str, s: int) -> int:
 
 
 def compile_offline(d: int, s: int, act: int, dtype: str = "bf16", config: GdpaGluonConfig = PERSISTENT,
-                    kind: str = "fwd"):
+                    kind: str = "fwd", w_dtype: str = "bf16"):
     """Compile the forward (``kind`` "fwd"), dQ ("dq") or dK/dV ("dkdv") kernel for sm_90a on the CPU."""
     from .offline import compile_sm90, descriptor_type, runtime_attrs
 
@@ -648,9 +738,11 @@ def compile_offline(d: int, s: int, act: int, dtype: str = "bf16", config: GdpaG
     values = dict(q_desc=tile, do_desc=tile, k_desc=kv, v_desc=kv, o_desc=tile, dq_desc=tile,
                   dk_desc=descriptor_type([64, d], dtype), dv_desc=descriptor_type([64, d], dtype),
                   o_ptr=f"*{dtype}", dq_ptr=f"*{dtype}", off_ptr="*i32", T="i32", H="i32", n_chunks="i32",
-                  n_items="i32", scale="fp32")
+                  n_items="i32", scale="fp32", w1_ptr=f"*{w_dtype}", b1_ptr=f"*{w_dtype}", mean_ptr="*fp32",
+                  rstd_ptr="*fp32", ss_ptr="*fp32")
     stages = DKDV_STAGES if kind == "dkdv" else config.q_stages
-    constexprs = dict(ACT=act, CH=config.chunk, NQ=stages, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS, num_warps=4)
+    constexprs = dict(ACT=act, CH=config.chunk, NQ=stages, FLAGS=3, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS,
+                      num_warps=4)
     signature = {p: values.get(p, "constexpr") for p in _PARAMS[kind]}
     constexprs = {k: v for k, v in constexprs.items() if k in signature}
     attrs = runtime_attrs(signature, dict(T=1000, H=3, n_chunks=3, n_items=9))
@@ -660,14 +752,18 @@ def compile_offline(d: int, s: int, act: int, dtype: str = "bf16", config: GdpaG
 def offline_variants() -> list[dict]:
     """The forward: every activation at D = 64 and 128, S = 128 (the register-heaviest S), bf16, in both
     schedules, fp16 once. The backward (dQ, dK/dV): every activation at D = 64 and 128, S = 128, and S = 64 (one
-    dK/dV consumer)."""
+    dK/dV consumer). FlashNormAttention's attention: every activation at D = 64 and 128, bf16 and fp32 norm
+    weights."""
     out = [dict(op="gdpa", kind="fwd", d=d, s=128, act=a, dtype="bf16", config=list(c)) for d in HEAD_DIMS
            for a in range(5) for c in (PERSISTENT, PER_ITEM)]
     out += [dict(op="gdpa", kind="fwd", d=128, s=32, act=0, dtype="fp16", config=list(PERSISTENT))]
     out += [dict(op="gdpa", kind=k, d=d, s=s, act=a, dtype="bf16", config=list(DQ_CONFIG)) for k in ("dq", "dkdv")
             for d in HEAD_DIMS for s in (64, 128) for a in range(5)]
+    out += [dict(op="gdpa", kind="fna", d=d, s=128, act=a, dtype="bf16", config=list(c), w_dtype=w)
+            for d in HEAD_DIMS for a in range(5) for c, w in ((PERSISTENT, "bf16"), (PER_ITEM, "fp32"))]
     return out
 
 
 def compile_variant(v: dict):
-    return compile_offline(v["d"], v["s"], v["act"], v["dtype"], GdpaGluonConfig(*v["config"]), v["kind"])
+    return compile_offline(v["d"], v["s"], v["act"], v["dtype"], GdpaGluonConfig(*v["config"]), v["kind"],
+                           v.get("w_dtype", "bf16"))
