@@ -171,6 +171,11 @@ def test_gdpa_gluon_takes_only_what_it_can():
     assert "head dim 32" in reason(d=32) and "dtype" in reason(dtype=torch.float32)
     with config.patch(gluon=False):
         assert "config.gluon" in reason()
+    from fusenorm_inductor.kernels.hopper import gdpa as hopper
+
+    base = torch.empty(4 * 2 * 128 + 1, dtype=torch.bfloat16)
+    assert hopper.misaligned(base[:-1].view(4, 2, 128)) is None
+    assert "16-byte" in hopper.misaligned(base[:-1].view(4, 2, 128), base[1:].view(4, 2, 128))
 
 
 def test_rejects_what_this_path_cannot_take():

@@ -130,6 +130,20 @@ def test_unsupported_inputs_fall_back(what, monkeypatch):
     assert_within("o", got, want, 2.0 * bound)
 
 
+def test_misaligned_view_takes_the_triton_kernel():
+    """q at an odd storage offset (contiguous, but 2 bytes past a 16-byte boundary): TMA cannot address it, so
+    the op runs the Triton forward, with the same results."""
+    from fusenorm_inductor.ops.gdpa import gdpa
+
+    q, k, v, dout, offs, maxlen = make_inputs([70, 5], 128, 2, 64, BF16, "cuda")
+    flat = torch.empty(q.numel() + 1, device="cuda", dtype=BF16)
+    q_odd = flat[1:].view(q.shape)
+    q_odd.copy_(q)
+    got = gdpa(q_odd, k, v, offs, maxlen, "gelu", SCALE)
+    want = oracle_with_grads(q, k, v, dout, offs, "gelu", SCALE)[0]
+    assert_within("o", got, want, 2.0 * error_bounds(q, k, v, dout, offs, "gelu", SCALE, BF16, BF16)["o"])
+
+
 def test_switch_off_takes_the_triton_kernel():
     from fusenorm_inductor import config
     from fusenorm_inductor.ops import gdpa_kernels as gk

@@ -500,6 +500,8 @@ def _gluon_attention(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, mean
     from ..kernels.hopper import gdpa as hopper
     from ..kernels.hopper.mm_norm import SpillError
 
+    if hopper.misaligned(q, k, v, rms_in) is not None:
+        return False
     try:
         hopper.fna_attention_gluon(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, mean, rstd, rms_in, ss,
                                    activation_code(activation), scale)

@@ -278,7 +278,7 @@ def _gluon_forward(q, k, v, q_offsets, o, max_seq_len_q: int, activation: str, s
 
     act = activation_code(activation, "fusenorm::gdpa")
     key = (q.shape[1:], k.shape[1:], q.dtype, act)
-    if key in _GLUON_SPILLED:
+    if key in _GLUON_SPILLED or hopper.misaligned(q, k, v, o) is not None:
         return False
     try:
         hopper.gdpa_fwd_gluon(q, k, v, q_offsets, o, max_seq_len_q, act, scale)
@@ -298,7 +298,8 @@ def _gluon_backward(dout, q, k, v, q_offsets, dq, dk, dv, max_seq_len_q: int, ac
 
     act = activation_code(activation, "fusenorm::gdpa_backward")
     key = ("bwd", q.shape[1:], k.shape[1:], q.dtype, act)
-    if key in _GLUON_SPILLED or hopper.backward_unsupported(q, k) is not None:
+    if (key in _GLUON_SPILLED or hopper.backward_unsupported(q, k) is not None
+            or hopper.misaligned(dout, q, k, v, dq, dk, dv) is not None):
         return False
     try:
         hopper.gdpa_bwd_gluon(dout, q, k, v, q_offsets, dq, dk, dv, max_seq_len_q, act, scale)

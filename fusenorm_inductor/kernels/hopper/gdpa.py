@@ -73,7 +73,7 @@ from .gemm_core import mma_layout
 from ...ops._triton_common import num_sms
 from .mm_norm import SpillError, _descriptor
 
-__all__ = ["Plan", "gdpa_fwd_gluon", "gdpa_bwd_gluon", "fna_attention_gluon", "unsupported", "backward_unsupported", "choose_config"]
+__all__ = ["Plan", "gdpa_fwd_gluon", "gdpa_bwd_gluon", "fna_attention_gluon", "unsupported", "misaligned", "backward_unsupported", "choose_config"]
 
 LOAD_REGS = 24
 MMA_REGS = 232
@@ -567,6 +567,15 @@ def _grid(config: GdpaGluonConfig, max_seq_len_q: int, nb: int, h: int) -> tuple
     """(chunks per (b, h), work items)."""
     n_chunks = max(1, -(-max_seq_len_q // (config.block_m * config.chunk)))
     return n_chunks, n_chunks * nb * h
+
+
+def misaligned(*tensors: Tensor) -> Optional[str]:
+    """Why TMA cannot read or write these (contiguous) tensors: a storage address that is not a multiple of 16
+    bytes (a view at an odd offset); None when all are aligned. Needs real tensors (not fake ones)."""
+    for x in tensors:
+        if x.data_ptr() % 16:
+            return f"a tensor's storage address is not 16-byte aligned (data_ptr % 16 = {x.data_ptr() % 16})"
+    return None
 
 
 def backward_unsupported(q: Tensor, k: Tensor) -> Optional[str]:
