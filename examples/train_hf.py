@@ -1,4 +1,5 @@
-"""Train HF transformers Llama (pre-RMSNorm) and BERT (post-LayerNorm) from small random-weight configs with
+"""Train HF transformers Llama (pre-RMSNorm) and BERT (post-LayerNorm), and on request GPT-2 (pre-LayerNorm)
+and the T5 encoder (pre-RMSNorm, with a token head), from small random-weight configs with
 backend="fusenorm" and with plain Inductor from the same seed; print the match report summary (every norm
 site: fused, or the reason it was not), both losses and both step times.
 
@@ -11,8 +12,8 @@ and exits 0.
 
 Data: token sequences of a fixed random Markov chain (each token is followed by a fixed successor with
 probability 0.9, else by a uniformly random token), so that both losses can fall: Llama is trained as a
-causal LM (labels = inputs, shifted inside the model), BERT as a masked LM (15% of the positions replaced
-by a mask token and predicted). The CUDA defaults are the shapes of the project's H200 baselines: Llama
+causal LM (labels = inputs, shifted inside the model), as GPT-2, BERT as a masked LM (15% of the positions
+replaced by a mask token and predicted), as the T5 encoder. The CUDA defaults are the shapes of the project's H200 baselines: Llama
 h = 2048, 6 layers, batch 4 x 2048; BERT h = 1024, 6 layers, batch 16 x 512.
 
 Dropout: the configs set every dropout probability to 0 (two compiled graphs would otherwise draw different
@@ -33,15 +34,17 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
-MODELS = ("llama", "bert")
+MODELS = ("llama", "bert", "gpt2", "t5")
+CAUSAL = ("llama", "gpt2")  # trained as causal LMs; the others as masked LMs
+NAMES = {"llama": "HF Llama (pre-RMSNorm)", "bert": "HF BERT (post-LayerNorm)", "gpt2": "HF GPT-2 (pre-LayerNorm)",
+         "t5": "HF T5 encoder (pre-RMSNorm, T5LayerNorm)"}
 CUDA_DEFAULTS = {
     "llama": dict(hidden=2048, layers=6, heads=16, intermediate=5632, vocab=32000, batch=4, seq=2048),
     "bert": dict(hidden=1024, layers=6, heads=16, intermediate=4096, vocab=30522, batch=16, seq=512),
+    "gpt2": dict(hidden=1024, layers=6, heads=16, intermediate=4096, vocab=50257, batch=16, seq=512),
+    "t5": dict(hidden=1024, layers=6, heads=16, intermediate=4096, vocab=32128, batch=16, seq=512),
 }
-CPU_DEFAULTS = {
-    "llama": dict(hidden=64, layers=2, heads=4, intermediate=128, vocab=128, batch=2, seq=16),
-    "bert": dict(hidden=64, layers=2, heads=4, intermediate=128, vocab=128, batch=2, seq=16),
-}
+CPU_DEFAULTS = {k: dict(hidden=64, layers=2, heads=4, intermediate=128, vocab=128, batch=2, seq=16) for k in MODELS}
 
 
 def have_transformers() -> bool:
@@ -63,10 +66,37 @@ def make_model(kind: str, c: dict) -> nn.Module:
         cfg = transformers.LlamaConfig(num_key_value_heads=c["heads"], attention_dropout=0.0, use_cache=False,
                                        rms_norm_eps=1e-6, **common)
         model = transformers.LlamaForCausalLM(cfg)
-    else:
+    elif kind == "bert":
         cfg = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common)
         model = transformers.BertForMaskedLM(cfg)
+    elif kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=c["vocab"], n_positions=max(c["seq"], 64), n_embd=c["hidden"],
+                                      n_layer=c["layers"], n_head=c["heads"], n_inner=c["intermediate"],
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                      bos_token_id=mask_token(kind, c["vocab"]),
+                                      eos_token_id=mask_token(kind, c["vocab"]), attn_implementation="sdpa")
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.T5Config(vocab_size=c["vocab"], d_model=c["hidden"], d_kv=c["hidden"] // c["heads"],
+                                    d_ff=c["intermediate"], num_layers=c["layers"], num_heads=c["heads"],
+                                    dropout_rate=0.0, feed_forward_proj="relu", use_cache=False)
+        model = T5EncoderMLM(transformers.T5EncoderModel(cfg), c["hidden"], c["vocab"])
     return model
+
+
+class T5EncoderMLM(nn.Module):
+    """A T5 encoder with a linear token head, trained as a masked LM (the encoder alone has no loss)."""
+
+    def __init__(self, encoder: nn.Module, hidden: int, vocab: int) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.encoder(input_ids=input_ids).last_hidden_state)
+        if labels is None:
+            return logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
 
 def mask_token(kind: str, vocab: int) -> int:
@@ -87,7 +117,7 @@ def make_batches(kind: str, c: dict, n: int, device: str, seed: int = 1) -> list
         noise = torch.randint(0, v, (c["batch"], c["seq"]), generator=gen)
         for i in range(1, c["seq"]):
             ids[:, i] = torch.where(follow[:, i], successor[ids[:, i - 1]], noise[:, i])
-        if kind == "llama":
+        if kind in CAUSAL:
             out.append((ids.to(device), ids.to(device)))
         else:
             masked = torch.rand(c["batch"], c["seq"], generator=gen) < 0.15
@@ -100,7 +130,14 @@ def make_batches(kind: str, c: dict, n: int, device: str, seed: int = 1) -> list
 
 def lm_loss(model, batch):
     ids, labels = batch
-    return model(input_ids=ids, labels=labels).loss
+    out = model(input_ids=ids, labels=labels)
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def logits(model, batch):
+    """The inference forward: the token logits of the batch's inputs."""
+    out = model(input_ids=batch[0])
+    return out if isinstance(out, torch.Tensor) else out.logits
 
 
 def model_config(kind: str, args) -> dict:
@@ -123,7 +160,7 @@ def run_model(kind: str, args, device: str, dtype: torch.dtype, log=print) -> tu
 
 def parse_args(argv=None):
     p = _common.make_parser(__doc__)
-    p.add_argument("--model", default="llama,bert", help="comma list of llama, bert")
+    p.add_argument("--model", default="llama,bert", help=f"comma list of {', '.join(MODELS)}")
     for key in ("hidden", "layers", "heads", "intermediate", "vocab", "batch", "seq"):
         p.add_argument(f"--{key}", type=int, default=None,
                        help=f"default: llama {CUDA_DEFAULTS['llama'][key]}, bert {CUDA_DEFAULTS['bert'][key]} on "
@@ -148,7 +185,7 @@ def main(argv=None) -> dict:
     for kind in args.model:
         print(f"== {kind}")
         result, c = run_model(kind, args, device, dtype)
-        name = {"llama": "HF Llama (pre-RMSNorm)", "bert": "HF BERT (post-LayerNorm)"}[kind]
+        name = NAMES[kind]
         per_model = argparse.Namespace(**vars(args))  # with several models: one PNG / JSON each
         if len(args.model) > 1:
             for key, ext in (("plot", ".png"), ("json", ".json")):

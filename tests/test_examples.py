@@ -112,3 +112,32 @@ def test_plot_title_says_when_a_speedup_is_cpu_wall_clock(device, caveat):
     _common.plot_panels((ax_loss, ax_t), "mlp", result)
     title = ax_t.set_title.call_args[0][0]
     assert "1.250x" in title and ("not a performance number" in title) == caveat, title
+
+
+def test_bench_models_floor_strips_every_norm():
+    """The models benchmark's floor (the model without its norms) replaces every LayerNorm / RMSNorm module,
+    nested ones included, and nothing else."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench_models
+
+    nn = torch.nn
+    m = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Sequential(nn.Linear(4, 4), nn.RMSNorm(4)))
+    bench_models.strip_norms(m)
+    kinds = [type(x).__name__ for x in m.modules()]
+    assert kinds.count("Identity") == 2 and kinds.count("Linear") == 2
+    assert not any(k.endswith(("LayerNorm", "RMSNorm")) for k in kinds)
+
+
+@pytest.mark.skipif(not train_hf.have_transformers(), reason="transformers is not installed (optional extra)")
+@pytest.mark.parametrize("model", ["gpt2", "t5"])
+def test_train_hf_gpt2_and_t5_encoder(model):
+    """GPT-2 (pre-LayerNorm; its Conv1D projections reach the norms through views, so they stay unfused) and the
+    T5 encoder (T5LayerNorm, an RMSNorm: pre-norm sites) train to Inductor's losses, every site accounted for."""
+    result = train_hf.main(["--model", model, "--hidden", "32", "--heads", "2", "--intermediate", "64", "--layers",
+                            "1", "--vocab", "64", "--batch", "2", "--seq", "8", "--steps", "2", "--report", "none"])
+    r = result[model]
+    assert r["agreement"]["agree"], r["agreement"]
+    rep = r["runs"]["fusenorm"]["report"]
+    assert rep["norm_sites"] == 3 and rep["unaccounted_sites"] == 0 and rep["errors"] == []
+    if model == "t5":
+        assert rep["fused_sites"] == 3
