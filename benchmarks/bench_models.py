@@ -210,24 +210,8 @@ def infer_row(name: str, kind: str, config: dict, make_model, batches, forward, 
             if cuda:
                 torch.cuda.synchronize()
                 peak[b] = torch.cuda.max_memory_allocated() / 2**20
-        names = tuple(makers)
-        walls = {b: [] for b in names}
-        events = {b: [] for b in names}
-        for i in range(args.timed):
-            for b in names[i % len(names):] + names[: i % len(names)]:
-                t0 = time.perf_counter()
-                if cuda:
-                    ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                    ev[0].record()
-                forward(models[b], batches[i % len(batches)])
-                if cuda:
-                    ev[1].record()
-                    events[b].append(ev)
-                else:
-                    walls[b].append((time.perf_counter() - t0) * 1e3)
-        if cuda:
-            torch.cuda.synchronize()
-            walls = {b: [a.elapsed_time(e) for a, e in evs] for b, evs in events.items()}
+        walls = rotating_rounds(tuple(makers), lambda b, i: forward(models[b], batches[i % len(batches)]),
+                                args.timed, cuda)
     reports = [r for r in fusenorm_inductor.reports() if id(r) not in seen]
     del models
     torch._dynamo.reset()
@@ -257,6 +241,30 @@ def infer_row(name: str, kind: str, config: dict, make_model, batches, forward, 
 PAIRED = ("fusenorm", "inductor", "inductor_aa")
 
 
+def rotating_rounds(names: tuple, run, rounds: int, cuda: bool) -> dict:
+    """``rounds`` rounds of ``run(name, i)`` for each name, the order rotating by one per round (a drift of clock
+    or temperature hits every name alike); per name its times in ms: CUDA events around each call (no host sync
+    inside the loop), wall clock on the CPU."""
+    walls = {b: [] for b in names}
+    events = {b: [] for b in names}
+    for i in range(rounds):
+        for b in names[i % len(names):] + names[: i % len(names)]:
+            t0 = time.perf_counter()
+            if cuda:
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
+            run(b, i)
+            if cuda:
+                ev[1].record()
+                events[b].append(ev)
+            else:
+                walls[b].append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+        walls = {b: [a.elapsed_time(e) for a, e in evs] for b, evs in events.items()}
+    return walls
+
+
 def paired_steps(row: dict, make_model, batches, loss_fn, lr: float, args, device: str, dtype: torch.dtype) -> None:
     """Step time measured in pairs: three copies of the model (fusenorm, Inductor, Inductor again for A/A),
     each compiled and warmed up, then ``--timed`` rounds of one training step of each, in rotating order, so
@@ -283,25 +291,8 @@ def paired_steps(row: dict, make_model, batches, loss_fn, lr: float, args, devic
         for i in range(1 + args.extra_warmup):
             for backend in PAIRED:
                 step(backend, i)
-    events = {b: [] for b in PAIRED}
     cuda = device == "cuda"
-    walls = {b: [] for b in PAIRED}
-    for i in range(args.timed):
-        order = PAIRED[i % 3:] + PAIRED[: i % 3]
-        for backend in order:
-            t0 = time.perf_counter()
-            if cuda:
-                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                ev[0].record()
-            step(backend, i)
-            if cuda:
-                ev[1].record()
-                events[backend].append(ev)
-            else:
-                walls[backend].append((time.perf_counter() - t0) * 1e3)
-    if cuda:
-        torch.cuda.synchronize()
-        walls = {b: [a.elapsed_time(e) for a, e in evs] for b, evs in events.items()}
+    walls = rotating_rounds(PAIRED, step, args.timed, cuda)
     speed = statistics.median(i / f for i, f in zip(walls["inductor"], walls["fusenorm"]))
     aa = statistics.median(i / j for i, j in zip(walls["inductor"], walls["inductor_aa"]))
     row.update(t_paired_ms={b: statistics.median(v) for b, v in walls.items()}, speedup_paired=speed,
