@@ -178,6 +178,28 @@ def test_gdpa_gluon_takes_only_what_it_can():
     assert "16-byte" in hopper.misaligned(base[:-1].view(4, 2, 128), base[1:].view(4, 2, 128))
 
 
+def test_gdpa_gluon_launch_guard():
+    """``run_gluon``: a launch whose specialization spills falls back and is not compiled again; a tensor TMA
+    cannot address falls back without a launch; otherwise the launch runs."""
+    from fusenorm_inductor.kernels.hopper.mm_norm import SpillError
+    from fusenorm_inductor.ops import gdpa_kernels as gk
+
+    calls = []
+
+    def spills():
+        calls.append("spill")
+        raise SpillError("test")
+
+    ok = torch.empty(64, dtype=torch.bfloat16)
+    key = ("test-spill", len(gk._GLUON_SPILLED))
+    assert not gk.run_gluon(key, (ok,), spills) and not gk.run_gluon(key, (ok,), spills)
+    assert calls == ["spill"]
+    assert not gk.run_gluon(("test-aligned",), (ok[1:],), lambda: calls.append("misaligned"))
+    assert gk.run_gluon(("test-aligned",), (ok,), lambda: calls.append("ran"))
+    assert calls == ["spill", "ran"]
+    gk._GLUON_SPILLED.discard(key)
+
+
 def test_rejects_what_this_path_cannot_take():
     from fusenorm_inductor.kernels.hopper import mm_norm as hopper
 

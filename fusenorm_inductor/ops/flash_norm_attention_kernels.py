@@ -492,22 +492,19 @@ def _gluon_attention(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, mean
     q, k, v and weights; what ``gdpa_kernels.gluon_unsupported`` accepts); False: the Triton kernel runs."""
     if not GLUON_ATTENTION:
         return False
-    from .gdpa_kernels import gluon_unsupported
+    from .gdpa_kernels import gluon_unsupported, run_gluon
 
     tensors = [x for x in (q, k, v, ln_weight, ln_bias) if x is not None]
     if gluon_unsupported(q, k) is not None or not all(x.is_contiguous() for x in tensors):
         return False
     from ..kernels.hopper import gdpa as hopper
-    from ..kernels.hopper.mm_norm import SpillError
 
-    if hopper.misaligned(q, k, v, rms_in) is not None:
-        return False
-    try:
-        hopper.fna_attention_gluon(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, mean, rstd, rms_in, ss,
-                                   activation_code(activation), scale)
-    except SpillError:
-        return False
-    return True
+    act = activation_code(activation, "fusenorm::flash_norm_attention")
+    weights = tuple(None if w is None else w.dtype for w in (ln_weight, ln_bias))
+    key = ("fna", q.shape[1:], k.shape[1:], q.dtype, act, weights)
+    return run_gluon(key, (q, k, v, rms_in),
+                     lambda: hopper.fna_attention_gluon(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, mean,
+                                                        rstd, rms_in, ss, act, scale))
 
 
 def flash_norm_attention_triton(

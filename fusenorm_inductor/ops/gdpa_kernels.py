@@ -39,7 +39,7 @@ larger tiles: the next speed step.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
@@ -51,7 +51,7 @@ from ._triton_common import dot_input_precision, num_sms, pow2_at_least
 from .activations import act_bwd, act_fwd, activation_code
 
 __all__ = ["GdpaConfig", "fwd_config", "dq_config", "dkdv_config", "gdpa_fwd_triton", "gdpa_bwd_triton",
-           "gluon_unsupported"]
+           "gluon_unsupported", "run_gluon"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -269,23 +269,32 @@ def gluon_unsupported(q: Tensor, k: Tensor) -> Optional[str]:
     return hopper.unsupported(q, k)
 
 
+def run_gluon(key: tuple, tensors: tuple, launch: Callable[[], None]) -> bool:
+    """Run ``launch()``, a launch of a Gluon kernel of kernels/hopper/gdpa.py whose inputs the caller has found
+    supported, unless a tensor's storage address is one TMA cannot use or this signature (``key``) spilled
+    before (its specialization is then never compiled again). False: the caller runs its Triton kernel."""
+    from ..kernels.hopper import gdpa as hopper
+    from ..kernels.hopper.mm_norm import SpillError
+
+    if key in _GLUON_SPILLED or hopper.misaligned(*tensors) is not None:
+        return False
+    try:
+        launch()
+    except SpillError:
+        _GLUON_SPILLED.add(key)
+        return False
+    return True
+
+
 def _gluon_forward(q, k, v, q_offsets, o, max_seq_len_q: int, activation: str, scale: float) -> bool:
     """Run the Gluon forward into o where it takes the inputs; False where the Triton kernel must."""
     if gluon_unsupported(q, k) is not None:
         return False
     from ..kernels.hopper import gdpa as hopper
-    from ..kernels.hopper.mm_norm import SpillError
 
     act = activation_code(activation, "fusenorm::gdpa")
-    key = (q.shape[1:], k.shape[1:], q.dtype, act)
-    if key in _GLUON_SPILLED or hopper.misaligned(q, k, v, o) is not None:
-        return False
-    try:
-        hopper.gdpa_fwd_gluon(q, k, v, q_offsets, o, max_seq_len_q, act, scale)
-    except SpillError:
-        _GLUON_SPILLED.add(key)
-        return False
-    return True
+    return run_gluon(("fwd", q.shape[1:], k.shape[1:], q.dtype, act), (q, k, v, o),
+                     lambda: hopper.gdpa_fwd_gluon(q, k, v, q_offsets, o, max_seq_len_q, act, scale))
 
 
 def _gluon_backward(dout, q, k, v, q_offsets, dq, dk, dv, max_seq_len_q: int, activation: str,
@@ -294,19 +303,12 @@ def _gluon_backward(dout, q, k, v, q_offsets, dq, dk, dv, max_seq_len_q: int, ac
     if not GLUON_BACKWARD or gluon_unsupported(q, k) is not None:
         return False
     from ..kernels.hopper import gdpa as hopper
-    from ..kernels.hopper.mm_norm import SpillError
 
+    if hopper.backward_unsupported(q, k) is not None:
+        return False
     act = activation_code(activation, "fusenorm::gdpa_backward")
-    key = ("bwd", q.shape[1:], k.shape[1:], q.dtype, act)
-    if (key in _GLUON_SPILLED or hopper.backward_unsupported(q, k) is not None
-            or hopper.misaligned(dout, q, k, v, dq, dk, dv) is not None):
-        return False
-    try:
-        hopper.gdpa_bwd_gluon(dout, q, k, v, q_offsets, dq, dk, dv, max_seq_len_q, act, scale)
-    except SpillError:
-        _GLUON_SPILLED.add(key)
-        return False
-    return True
+    return run_gluon(("bwd", q.shape[1:], k.shape[1:], q.dtype, act), (dout, q, k, v, dq, dk, dv),
+                     lambda: hopper.gdpa_bwd_gluon(dout, q, k, v, q_offsets, dq, dk, dv, max_seq_len_q, act, scale))
 
 
 def gdpa_fwd_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int, activation: str,

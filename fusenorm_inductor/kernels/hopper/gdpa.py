@@ -543,11 +543,8 @@ HEAD_DIMS = (64, 128)
 
 
 def unsupported(q: Tensor, k: Tensor) -> Optional[str]:
-    """Why the Gluon kernel cannot run these inputs (None: it can). The caller has validated them."""
-    from ._compat import GLUON_ERROR
-
-    if GLUON_ERROR is not None:
-        return f"Gluon unavailable ({GLUON_ERROR})"
+    """Why the Gluon kernel cannot run these inputs (None: it can). The caller has validated them (and this
+    module imports only where Gluon is usable: ops/gdpa_kernels.gluon_unsupported checks that first)."""
     if q.dtype not in GLUON_DTYPES:
         return f"dtype {q.dtype} (the kernel takes bf16 and fp16)"
     t, h, d = q.shape
