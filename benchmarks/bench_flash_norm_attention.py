@@ -21,8 +21,8 @@ Run on the GPU machine (the default grid: H in {1, 2, 4, 8} x Lmax in {512, 1024
 S = 128, D = 128; the dense baseline at H = 8, Lmax = 3000 needs ~40 GB):
     python benchmarks/bench_flash_norm_attention.py --out benchmarks/results/flash_norm_attention_h200.json
     python benchmarks/bench_flash_norm_attention.py --dry-run      # CPU, tiny shapes: checks the calls only
-    python benchmarks/bench_flash_norm_attention.py --gluon --out /tmp/fna_gluon.json   # the Gluon kernels that
-                                        # are off by default, switched on (the fused attention, GDPA's backward)
+    python benchmarks/bench_flash_norm_attention.py --triton-parts --out /tmp/fna_tl.json   # the fused attention
+                                        # step and GDPA's backward on the Triton kernels instead of the Gluon ones
 ``--H``, ``--lmax``, ``--dirs``, ``--batch`` narrow the grid; ``--resume`` keeps the rows already in --out.
 The whole grid compiles two Inductor baselines per point and direction: on two GPUs, split it and merge:
     CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_flash_norm_attention.py --shard 0/2 --out /tmp/fna0.json &
@@ -258,9 +258,9 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (times meaningless)")
     p.add_argument("--shard", default="0/1", help="i/n: measure every n-th (H, Lmax) pair from the i-th")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge partial runs (--shard) into --out, plot")
-    p.add_argument("--gluon", action="store_true",
-                   help="switch on the sm_90 Gluon kernels that are off until measured: the fused block's attention "
-                        "step (flash_norm_attention_kernels.GLUON_ATTENTION) and GDPA's backward "
+    p.add_argument("--triton-parts", action="store_true",
+                   help="switch off two sm_90 Gluon kernels to time the Triton ones they replace: the fused block's "
+                        "attention step (flash_norm_attention_kernels.GLUON_ATTENTION) and GDPA's backward "
                         "(gdpa_kernels.GLUON_BACKWARD)")
     a = p.parse_args(argv)
     dry = a.dry_run
@@ -308,11 +308,11 @@ def main(argv=None) -> None:
     # benchmark's offsets are valid by construction, so it times the kernels without it (gdpa has no check
     # on CUDA by default).
     fna.CHECK_OFFSETS = False
-    if args.gluon:
-        from fusenorm_inductor.ops import flash_norm_attention_kernels, gdpa_kernels
+    from fusenorm_inductor.ops import flash_norm_attention_kernels, gdpa_kernels
 
-        flash_norm_attention_kernels.GLUON_ATTENTION = True
-        gdpa_kernels.GLUON_BACKWARD = True
+    if args.triton_parts:
+        flash_norm_attention_kernels.GLUON_ATTENTION = False
+        gdpa_kernels.GLUON_BACKWARD = False
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     bench = gn.Bench(args.timer, args.rep_ms, device)
@@ -329,7 +329,8 @@ def main(argv=None) -> None:
             timespec="seconds"), "commit": gn._git_commit(), "dtype": "bfloat16", "ceilings": ceilings,
         "timer": "wall clock, CPU (dry run)" if device != "cuda" else f"{args.timer} median, ms",
         "offset_checks": "off (flash_norm_attention.CHECK_OFFSETS = False; gdpa does not check on CUDA)",
-        "gluon_switches": {"GLUON_ATTENTION": bool(args.gluon), "GLUON_BACKWARD": bool(args.gluon)},
+        "gluon_switches": {"GLUON_ATTENTION": flash_norm_attention_kernels.GLUON_ATTENTION,
+                           "GLUON_BACKWARD": gdpa_kernels.GLUON_BACKWARD},
         "shape": {"B": args.batch, "S": args.skv, "D": args.dim, "sparsity": args.sparsity,
                   "activation": "fast_gelu", "scale": 1.0, "ln_eps": LN_EPS, "rms_eps": RMS_EPS},
     }

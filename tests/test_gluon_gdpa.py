@@ -154,7 +154,7 @@ def test_switch_off_takes_the_triton_kernel():
         assert "config.gluon" in gk.gluon_unsupported(q, k)
 
 
-# ---- the backward (dQ, dK/dV): off in the op until these have run on the H200 (gdpa_kernels.GLUON_BACKWARD) ----
+# ---- the backward (dQ, dK/dV) ----
 
 
 def _check_backward(lengths, s, h, d, dtype, activation, seed=0):
@@ -185,6 +185,30 @@ def test_backward_one_warpgroup_and_long_sequences():
     _check_backward([1100, 3, 513, 0, 64], 64, 3, 128, BF16, "fast_gelu", seed=3)
 
 
+def test_op_backward_dispatches_to_gluon(monkeypatch):
+    """The op's autograd backward takes the Gluon kernels for bf16, D = 128, S = 128 (the Triton backward kernels
+    must not run), into NaN-poisoned gradients, against the oracle; with the switch off the Triton kernels give
+    the same gradients within the same bounds."""
+    from fusenorm_inductor.ops import gdpa_kernels as gk
+    from tests.test_gdpa import op_with_grads
+
+    class Refuse:
+        def __getitem__(self, grid):
+            raise AssertionError("a Triton backward kernel ran where the Gluon backward takes the inputs")
+
+    monkeypatch.setattr(gk, "_alloc", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                              device=device))
+    q, k, v, dout, offs, maxlen = make_inputs([200, 0, 31, 1, 128], 128, 2, 128, BF16, "cuda", seed=11)
+    want = oracle_with_grads(q, k, v, dout, offs, "fast_gelu", SCALE)
+    bounds = error_bounds(q, k, v, dout, offs, "fast_gelu", SCALE, BF16, BF16)
+    with monkeypatch.context() as m:
+        m.setattr(gk, "_gdpa_bwd_dq_kernel", Refuse())
+        m.setattr(gk, "_gdpa_bwd_dkdv_kernel", Refuse())
+        check_all(op_with_grads(q, k, v, dout, offs, maxlen, "fast_gelu", SCALE), want, bounds)
+    monkeypatch.setattr(gk, "GLUON_BACKWARD", False)
+    check_all(op_with_grads(q, k, v, dout, offs, maxlen, "fast_gelu", SCALE), want, bounds)
+
+
 def test_backward_rejects_other_kv_lengths():
     from fusenorm_inductor.kernels.hopper import gdpa as hopper
 
@@ -192,7 +216,7 @@ def test_backward_rejects_other_kv_lengths():
     assert "64 or 128" in hopper.backward_unsupported(q, k)
 
 
-# ---- FlashNormAttention's attention step (off in the op until this has run: GLUON_ATTENTION) ----
+# ---- FlashNormAttention's attention step (GLUON_ATTENTION) ----
 
 
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])

@@ -62,10 +62,9 @@ from .activations import act_bwd, act_fwd, activation_code
 
 __all__ = ["FnaConfig", "fna_config", "flash_norm_attention_triton", "flash_norm_attention_backward_triton"]
 
-# The forward's attention step on sm_90 as a Gluon kernel (kernels/hopper/gdpa.py, fna_attention_gluon): compiles
-# clean for sm_90a but has not run on the H200 yet, so it stays off until its test (tests/test_gluon_gdpa.py) and
-# timings have.
-GLUON_ATTENTION = False
+# The forward's attention step on sm_90 as a Gluon kernel (kernels/hopper/gdpa.py, fna_attention_gluon) where it
+# takes the inputs; a switch so the benchmarks can time the Triton attention step beside it.
+GLUON_ATTENTION = True
 
 
 class FnaConfig(NamedTuple):

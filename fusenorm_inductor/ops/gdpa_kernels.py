@@ -251,9 +251,9 @@ def _check_head_dim(d: int) -> None:
 
 
 _GLUON_SPILLED: set = set()  # signatures whose Gluon specialization spilled: the Triton kernel serves them
-# The Gluon backward (kernels/hopper/gdpa.py: dQ, dK/dV) compiles clean for sm_90a but has not run on the H200
-# yet: off until its tests (tests/test_gluon_gdpa.py) and timings have.
-GLUON_BACKWARD = False
+# The Gluon backward (kernels/hopper/gdpa.py: dQ, dK/dV) on sm_90 where it takes the inputs; a switch so the
+# benchmarks and tests can time and check the Triton backward beside it (results in docs/design.md).
+GLUON_BACKWARD = True
 
 
 def gluon_unsupported(q: Tensor, k: Tensor) -> Optional[str]:

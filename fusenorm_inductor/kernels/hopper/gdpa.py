@@ -23,7 +23,7 @@ Rows of a Q tile past the sequence's end hold the next sequence's tokens (or TMA
 rows are computed and never stored. Sequence bounds are clamped into [0, T] as in the Triton kernels, so
 unvalidated offsets cannot address memory outside q and O.
 
-The backward (``gdpa_bwd_gluon``; the op does not use it yet: ops/gdpa_kernels.GLUON_BACKWARD) recomputes S
+The backward (``gdpa_bwd_gluon``; the op's switch: ops/gdpa_kernels.GLUON_BACKWARD) recomputes S
 per tile, as the Triton kernels do:
 - dQ (``gdpa_dq_kernel``): the forward's partitions with dO loaded beside each Q tile, one program per work
   item; per tile and block of 64 K/V rows S = Q K^T and dP = dO V^T, dS = act'(S) * scale * dP rounded to the
@@ -34,7 +34,7 @@ per tile, as the Triton kernels do:
   columns of Q rows past the sequence's end zeroed. Every dK/dV row has one owner (no atomics, the same bits
   run to run); a sequence of length 0 gets zeros.
 
-FlashNormAttention's attention step (``fna_attention_gluon``, the forward's partitions in MODE 2; off in the op:
+FlashNormAttention's attention step (``fna_attention_gluon``, the forward's partitions in MODE 2; the op's switch:
 ops/flash_norm_attention_kernels.GLUON_ATTENTION) rebuilds ln_q from each Q tile in shared memory and the token
 statistics, feeds it to S's wgmma as the register operand, starts O's accumulator at ln_q (the residual), and
 stores O rounded with its per-head sums of squares for the RMSNorm that a per-token kernel finishes.
