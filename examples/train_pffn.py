@@ -13,10 +13,11 @@ context c [B, S, d_ctx] (shared by the blocks):
 
 then a masked mean over the valid tokens, a linear head and an MSE loss against a fixed random teacher's
 targets. This is the padded dense composite that fusenorm's ``attention_block_dense`` pattern recognizes
-(``patterns/attention_block.py``). With ``--fuse-training`` (config.patterns.attention_block_training; off by
-default: the fused backward measures slower on the H200, so the block is fused for inference only) fusenorm
-rewrites each block's LN -> GDPA -> + ln_q -> mask -> RMSNorm -> + q into one ``fusenorm::flash_norm_attention``
-(masked rows become where(mask, out, q), as in the original).
+(``patterns/attention_block.py``). By default fusenorm leaves it to Inductor: the rewrite computes every padded
+row and measures slower than Inductor's dense composite on the H200 (config.patterns.attention_block_dense). With
+``--fuse-training`` (that switch and config.patterns.attention_block_training on) fusenorm rewrites each block's
+LN -> GDPA -> + ln_q -> mask -> RMSNorm -> + q into one ``fusenorm::flash_norm_attention`` (masked rows become
+where(mask, out, q), as in the original).
 
     python examples/train_pffn.py --fuse-training # CPU: tiny sizes, seconds after compiling
     python examples/train_pffn.py --batch 256 --lmax 512 --heads 2 --dim 128 --ctx 128 --blocks 3 [--fuse-training]
@@ -120,8 +121,8 @@ def parse_args(argv=None):
     p.add_argument("--d-ctx", type=int, default=None, help="context width (default H*D)")
     p.add_argument("--blocks", type=int, default=3 if cuda else 2)
     p.add_argument("--fuse-training", action="store_true",
-                   help="fuse the block in training too (config.patterns.attention_block_training; off by "
-                        "default: the fused backward measures slower on the H200)")
+                   help="fuse the block, in training too (config.patterns.attention_block_dense and "
+                        "attention_block_training; off by default: the fused block measures slower on the H200)")
     _common.add_common_args(p, steps_cpu=12, steps_cuda=200, lr=1e-3, report="full")
     args = p.parse_args(argv)
     hd = args.heads * args.dim
@@ -138,7 +139,8 @@ def main(argv=None) -> dict:
               "fused_in_training": args.fuse_training}
     from fusenorm_inductor import config as fn_config
 
-    with fn_config.patch({"patterns.attention_block_training": args.fuse_training}):
+    with fn_config.patch({"patterns.attention_block_training": args.fuse_training,
+                          "patterns.attention_block_dense": args.fuse_training}):
         result = _common.compare(
             lambda: PFFNStack(args.d_model, args.d_ctx, args.heads, args.dim, args.blocks), batches, mse_loss,
             steps=args.steps, lr=args.lr, device=device, dtype=dtype, seed=args.seed,

@@ -89,10 +89,16 @@ class patterns:
     # (pre-grad; pattern names attention_block and attention_block_dense).
     attention_block: bool = Config(default=_env_bool("FUSENORM_ATTENTION_BLOCK", True))
     # Either form of the block when gradients are needed (training). Off by default: on the H200 the fused
-    # backward is slower than what it replaces. Written with gdpa: 18-30% slower than gdpa + Inductor's norms
-    # (README, Performance, Attention). The dense composite: a PFFN training step measures 0.63x of plain
-    # Inductor's (benchmarks/results/models_h200.json; its padded rows are computed too). Inference is fused.
+    # backward is slower than what it replaces. Written with gdpa: slower than gdpa + Inductor's norms
+    # (README, Performance, Attention). The dense composite: a PFFN training step measures 0.63-0.75x of
+    # plain Inductor's (benchmarks/results/models_h200.json; its padded rows are computed too). Inference is fused.
     attention_block_training: bool = Config(default=_env_bool("FUSENORM_ATTENTION_BLOCK_TRAINING", False))
+    # The dense padded composite's form (attention_block_dense) at all. Off by default: the rewrite cannot read
+    # the lengths from a general boolean mask, so the fused op computes every padded row, and Inductor's dense
+    # composite (cuBLAS batched GEMMs at S = 128) is faster: a PFFN inference step measured 0.67x of plain
+    # Inductor's on the H200 (benchmarks/results/models_h200.json). On, the form is fused under the same
+    # training gate as the gdpa form.
+    attention_block_dense: bool = Config(default=_env_bool("FUSENORM_ATTENTION_BLOCK_DENSE", False))
 
 
 # Run the post-norm forward, the regrouped backward and Lazy Pre-Norm on the Gluon sm_90 kernels

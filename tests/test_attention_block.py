@@ -60,10 +60,21 @@ def check_forward(make, inputs, device) -> dict:
 
 @pytest.fixture(autouse=True)
 def _fused_in_training():
-    """The tests below check the rewrites in training too; by default both forms are fused for inference
-    only (test_block_training_gate checks the default)."""
-    with config.patch({"patterns.attention_block_training": True}):
+    """The tests below check the rewrites in training too, and the dense form's rewrite (off by default:
+    test_dense_form_off_by_default); by default the gdpa form is fused for inference only
+    (test_block_training_gate checks the default)."""
+    with config.patch({"patterns.attention_block_training": True, "patterns.attention_block_dense": True}):
         yield
+
+
+def test_dense_form_off_by_default(device):
+    """Default: the dense composite is recognized but left to Inductor, in inference too, and the report says
+    why (its rewrite computes the padded rows and measures slower than Inductor's composite)."""
+    dense = lambda: FlashNormAttentionBlock(2, 16, "einsum", "gelu_tanh", 0.5, True)  # noqa: E731
+    with config.patch({"patterns.attention_block_dense": False}):
+        assert check_forward(dense, attention_inputs("einsum"), device)["fna"] == 0
+        assert any("padded row" in r and "config.patterns.attention_block_dense" in r
+                   for r in skips("attention_block_dense")), skips("attention_block_dense")
 
 
 # ---- form (i): written with fusenorm::gdpa ------------------------------------------------------------
@@ -81,7 +92,7 @@ def test_block_training_gate(device):
         assert check_forward(gdpa, attention_inputs("gdpa"), device) == {"fna": 1}
         torch._dynamo.reset()
         assert check(dense, attention_inputs("einsum"), device)["fna"] == 0
-        assert any("gradients needed" in r and "0.63x" in r for r in skips("attention_block_dense"))
+        assert any("gradients needed" in r and "0.63-0.75x" in r for r in skips("attention_block_dense"))
         torch._dynamo.reset()
         assert check_forward(dense, attention_inputs("einsum"), device)["fna"] == 1
 

@@ -28,6 +28,7 @@ BOOL_OPTIONS = {
     "patterns.dgrad_norm_bwd": ("FUSENORM_DGRAD_NORM_BWD", True),
     "patterns.attention_block": ("FUSENORM_ATTENTION_BLOCK", True),
     "patterns.attention_block_training": ("FUSENORM_ATTENTION_BLOCK_TRAINING", False),
+    "patterns.attention_block_dense": ("FUSENORM_ATTENTION_BLOCK_DENSE", False),
     "gluon": ("FUSENORM_GLUON", True),
     "spin_exchange": ("FUSENORM_SPIN_EXCHANGE", True),
     "tuning.measure": ("FUSENORM_TUNE", True),
