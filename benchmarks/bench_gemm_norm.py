@@ -897,17 +897,18 @@ def merge(paths: list[str], key: Callable[[dict], tuple] | None = None) -> dict:
     if dups:
         print(f"note: {dups} points are in several files; the last file's rows were kept")
     # --core-only rows (dir "core"): their core timings go to the forward points of the same M, K, N that have none
-    cores = {(r["M"], r["K"], r["N"]): r for r in rows.values() if r["dir"] == "core"}
-    for k in [k for k, r in rows.items() if r["dir"] == "core"]:
+    cores = {(r["M"], r["K"], r["N"]): r for r in rows.values() if r.get("dir") == "core"}
+    for k in [k for k, r in rows.items() if r.get("dir") == "core"]:
         del rows[k]
-    for r in rows.values():
+    for r in rows.values() if cores else ():
         c = cores.get((r["M"], r["K"], r["N"]))
         if c is not None and "t_core_ms" in c and r["dir"] == "fwd" and "t_core_ms" not in r:
             r.update({f: c[f] for f in CORE_FIELDS})
             r["core_throughput"] = c["t_mm_core_ms"] / c["t_core_ms"]
     meta = dict(datas[0]["meta"])
     meta.pop("partial", None)
-    meta["merged_from"] = [{"file": p, "date": d["meta"].get("date"), "ceilings": d["meta"].get("ceilings")}
+    meta["merged_from"] = [{"file": p, "date": d["meta"].get("date"), "commit": d["meta"].get("commit"),
+                            "ceilings": d["meta"].get("ceilings")}
                            for p, d in zip(paths, datas)]
     return {"meta": meta, "rows": list(rows.values())}
 

@@ -8,8 +8,9 @@ Models (``--models``, default all; the examples in ``examples/`` build them):
     pffn   Kunlun-style PFFN stack: ``--pffn-blocks`` (3) FlashNormAttention blocks with q/k/v/output projections
            on the padded dense composite, B = 256, Lmax = 512, H = 2, D = 128, S = 128 (examples/train_pffn.py;
            B = 768 of the attention benchmark does not leave room for a training stack); by default fusenorm
-           fuses the block for inference only (config.patterns.attention_block_training): in training fusenorm
-           is timed once more with it on (t_fusenorm_fused_ms, speedup_fused)
+           leaves this form of the block to Inductor (config.patterns.attention_block_dense: its rewrite
+           measured 0.67x in inference); in training fusenorm is timed once more with it fused
+           (patterns.attention_block_dense and attention_block_training: t_fusenorm_fused_ms, speedup_fused)
     llama  HF LlamaForCausalLM, h = 2048, 6 layers, 16 heads, batch 4 x 2048, random weights
     bert   HF BertForMaskedLM, h = 1024, 6 layers, 16 heads, batch 16 x 512, random weights
     gpt2   HF GPT2LMHeadModel, h = 1024, 6 layers, 16 heads, batch 16 x 512, random weights
@@ -33,12 +34,14 @@ step's wall time (compilation included). Per model: speedup = t_inductor / t_fus
 last 10% of the steps, "agree" within examples/_common.py's LOSS_TOL), and fusenorm's match report summary:
 every norm site fused (by which pattern) or left unfused (with the reasons the report gives), backward fusions.
 Step times are the means over two orders: the training runs (fusenorm first), then timing-only runs of inductor
-and fusenorm in the reverse order (``retime_reversed``; ``--no-reverse`` skips them); then ``paired_steps``:
+and fusenorm in the reverse order (``retime_reversed``; ``--no-reverse`` skips them); then ``paired_steps``
+(``--no-paired`` skips them):
 fusenorm, Inductor and Inductor again trained side by side, one step each per round in rotating order
 (speedup_paired, aa_paired: the A/A of the same design).
 ``--noise-ref`` also trains each model eagerly (no compile, ~+30 s of GPU time for the default grid): eager vs
 Inductor is how far two correct bf16 runs drift apart, the yardstick for fusenorm vs Inductor. ``aa_noise`` of a
-training row: the spread of Inductor's three medians (both orders and the A/A run). Loss parity: one PNG per
+training row: the spread of Inductor's three medians (both orders and the A/A run); with ``--no-reverse``,
+|1 - aa_paired|. Loss parity: one PNG per
 trained model beside the JSON (``<out>_loss_<name>.png``, both loss curves), and ``loss_max_rel_diff``.
 
 Run on the GPU machine (the default grid: ~8-10 minutes on one H200, most of it compiling; measured 2026-11-30
@@ -168,7 +171,8 @@ def compare_row(name: str, kind: str, config: dict, make_model, batches, loss_fn
     row.update(t_no_norm_ms=t_nn, peak_no_norm_mib=nn_run["peak_mib"],
                norm_share=(t_ind - t_nn) / t_ind if t_ind > 0 else None,
                share_recovered=(t_ind - t_fn) / (t_ind - t_nn) if t_ind - t_nn > 0 else None,
-               aa_noise=row.get("noise"))
+               aa_noise=row.get("noise") if row.get("noise") is not None else
+               (abs(1.0 - row["aa_paired"]) if row.get("aa_paired") is not None else None))
     row["step_ms"]["no_norm (inductor)"] = nn_run["step_ms"]
     return row
 
@@ -272,7 +276,7 @@ def paired_steps(row: dict, make_model, batches, loss_fn, lr: float, args, devic
     all three alike. ``speedup_paired`` is the median over the rounds of t_inductor / t_fusenorm of the same
     round, ``aa_paired`` the same for Inductor against its own second copy: how far from 1 two identical
     programs land. ``not_slower_paired``: speedup_paired is no further below 1 than the A/A ratio strays."""
-    if args.no_reverse:
+    if args.no_paired:
         return
     import statistics
 
@@ -421,7 +425,7 @@ def run_pffn(args, device: str, dtype: torch.dtype) -> dict:
     # The fused block in training (off by default: measured slower), timed once more, same seed and batches.
     from fusenorm_inductor import config as fn_config
 
-    with fn_config.patch({"patterns.attention_block_training": True}):
+    with fn_config.patch({"patterns.attention_block_training": True, "patterns.attention_block_dense": True}):
         fused = timing_run(make, "fusenorm", batches, train_pffn.mse_loss, LR["pffn"], args, device, dtype)
     log(f"  fusenorm, block fused in training: median step {fused['median_ms']:.3f} ms, "
         f"{fused['report']['fused_sites']}/{fused['report']['norm_sites']} norm sites fused")
@@ -507,7 +511,8 @@ def print_table(rows: list[dict]) -> None:
                   f"({'not slower' if r.get('not_slower_paired') else 'SLOWER'} than Inductor beyond its A/A)")
     for r in rows:
         if r.get("t_fusenorm_fused_ms"):
-            print(f"{r['name']}: fusenorm with the block fused in training (patterns.attention_block_training) "
+            print(f"{r['name']}: fusenorm with the block fused in training (patterns.attention_block_dense and "
+                  f"attention_block_training) "
                   f"{r['t_fusenorm_fused_ms']:.3f} ms, speedup {_f(r.get('speedup_fused'), '.3f')}, "
                   f"peak {_f(r.get('peak_fusenorm_fused_mib'), '.0f')} MiB")
     print("eager|d|: max |loss_eager - loss_inductor| (--noise-ref); sites: norm sites fused / all (match report); "
@@ -628,6 +633,9 @@ def parse_args(argv=None):
     p.add_argument("--no-reverse", action="store_true",
                    help="skip the second timing of inductor and fusenorm in the reverse order (bench_models."
                         "retime_reversed says why it is there)")
+    p.add_argument("--no-paired", action="store_true",
+                   help="skip the paired steps (bench_models.paired_steps): the training rows then have an A/A "
+                        "noise only from the reversed-order runs")
     p.add_argument("--batches", type=int, default=None, help="distinct batches per model, cycled (default 4)")
     p.add_argument("--noise-ref", action="store_true",
                    help="also train each model eagerly (no compile): how far two correct bf16 runs drift apart "
