@@ -6,6 +6,7 @@ mean time per call of the block and its share, and the memory floor of one [T, H
 over the copy bandwidth), so "this kernel is worth N passes" can be read off.
 
     python benchmarks/probe_fna_kernels.py --H 1,8 --lmax 512 --out /tmp/fna_kernels.json
+    python benchmarks/probe_fna_kernels.py --stage-stats ...   # also the block with kernels/hopper/gdpa.STAGE_STATS
 """
 
 from __future__ import annotations
@@ -48,12 +49,15 @@ def main() -> None:
     p.add_argument("--dirs", default="fwd,bwd")
     p.add_argument("--batch", type=int, default=768)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--stage-stats", action="store_true",
+                   help="also time the block with the attention step's statistics staged by the loader (fused_staged)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
     import triton
 
     import fusenorm_inductor  # noqa: F401  (registers torch.ops.fusenorm.*)
+    from fusenorm_inductor.kernels.hopper import gdpa as hopper
     from fusenorm_inductor.ops import flash_norm_attention as fna_op
 
     fna_op.CHECK_OFFSETS = False
@@ -65,6 +69,15 @@ def main() -> None:
             off = case.offsets
             seed_c = torch.compile(lambda *a: fna.seed_block(*a, off, lmax), dynamic=False)
             impls = {"fused": lambda *a: fna.fused_block(*a, off, lmax), "seed": seed_c}
+            if args.stage_stats:
+                def staged(*a, off=off, lmax=lmax):
+                    hopper.STAGE_STATS = True
+                    try:
+                        return fna.fused_block(*a, off, lmax)
+                    finally:
+                        hopper.STAGE_STATS = False
+
+                impls["fused_staged"] = staged
             pass_ms = case.total * h * 128 * 2 / (copy_gbps * 1e9) * 1e3
             for direction in args.dirs.split(","):
                 for name, fn in impls.items():

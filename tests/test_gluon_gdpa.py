@@ -219,11 +219,13 @@ def test_backward_rejects_other_kv_lengths():
 # ---- FlashNormAttention's attention step (GLUON_ATTENTION) ----
 
 
+@pytest.mark.parametrize("stage", [False, True], ids=["stats-global", "stats-staged"])
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
 @pytest.mark.parametrize("h", [1, 2])
-def test_flash_norm_attention_on_the_gluon_attention(monkeypatch, h, affine):
+def test_flash_norm_attention_on_the_gluon_attention(monkeypatch, h, affine, stage):
     """The fused block's forward with its attention step on the Gluon kernel, against the reference, with the
-    bounds test_flash_norm_attention.py uses for the Triton kernels (8 bf16 units)."""
+    bounds test_flash_norm_attention.py uses for the Triton kernels (8 bf16 units); the LayerNorm statistics
+    read per tile from global memory or staged in shared memory by the loader (hopper.gdpa.STAGE_STATS)."""
     from fusenorm_inductor.ops import flash_norm_attention_kernels as kern
     from fusenorm_inductor.ops.flash_norm_attention import flash_norm_attention_reference
     from tests.test_flash_norm_attention import _call, _close, _inputs
@@ -234,6 +236,7 @@ def test_flash_norm_attention_on_the_gluon_attention(monkeypatch, h, affine):
     calls = []
     from fusenorm_inductor.kernels.hopper import gdpa as hopper
 
+    monkeypatch.setattr(hopper, "STAGE_STATS", stage)
     real = hopper.fna_attention_gluon
     monkeypatch.setattr(hopper, "fna_attention_gluon", lambda *a: calls.append(1) or real(*a))
     lengths = (300, 0, 1, 157, 64, 299, 12, 200, 1100)

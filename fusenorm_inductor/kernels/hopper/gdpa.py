@@ -100,6 +100,12 @@ def choose_config(max_seq_len_q: int) -> GdpaGluonConfig:
     return PERSISTENT if max_seq_len_q <= PERSISTENT.block_m * PERSISTENT.chunk else PER_ITEM
 
 
+# FlashNormAttention's attention step with the LayerNorm statistics of each Q tile staged in shared memory by
+# the loader (FLAGS & 4), instead of the consumer reading them from global memory in the middle of its tile. Off until it has run on the H200: its GPU test
+# (test_gluon_gdpa.py) and its time against the measured path (probe_fna_kernels.py --stage-stats).
+STAGE_STATS = False
+
+
 @gluon.jit
 def _act(x, ACT: gl.constexpr):
     """act(x) for an fp32 tile (ACT: activations.activation_code)."""
@@ -198,8 +204,9 @@ def _item(off_ptr, item, n_chunks, H, T, BM: gl.constexpr, CH: gl.constexpr):
 
 
 @gluon.jit
-def _loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty,
-            off_ptr, T, H, n_chunks, n_items, CH: gl.constexpr, MODE: gl.constexpr):
+def _loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready,
+            kv_empty, off_ptr, T, H, n_chunks, n_items, eargs, CH: gl.constexpr, MODE: gl.constexpr,
+            FLAGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     S: gl.constexpr = k_desc.block_type.shape[0]
@@ -220,6 +227,8 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_
             for i in range(n_tiles):
                 s = (c + i) % NQ
                 mbarrier.wait(q_empty.index(s), (((c + i) // NQ) & 1) ^ 1)
+                if MODE == 2 and FLAGS & 4:
+                    _stage_stats(stat_bufs, s, eargs, row_begin + i * BM, end, BM)
                 if MODE != 1:
                     mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
                 else:  # dQ: the tile's dO too, on the same barrier
@@ -228,6 +237,20 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_
                 tma_load(q_desc, [row_begin + i * BM, h * D], q_ready.index(s), q_bufs.index(s))
             c += n_tiles
             j += 1
+
+
+@gluon.jit
+def _stage_stats(stat_bufs, slot, eargs, row0, end, BM: gl.constexpr):
+    """The loader's copy of a Q tile's LayerNorm statistics (mean, rstd; 0 past the sequence's end) into the
+    tile's slot of shared memory, before it arrives on the slot's barrier: the consumers then read them next to
+    the tile instead of waiting on global memory in the middle of their own tile."""
+    w1_ptr, b1_ptr, mean_ptr, rstd_ptr, ss_ptr = eargs
+    layout: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
+    rows = row0 + gl.arange(0, BM, layout=layout)
+    ok = rows < end
+    stat_bufs.index(2 * slot).store(gl.load(mean_ptr + rows, mask=ok, other=0.0))
+    stat_bufs.index(2 * slot + 1).store(gl.load(rstd_ptr + rows, mask=ok, other=0.0))
+    thread_barrier()  # every lane's stores precede the arrive that publishes the slot
 
 
 @gluon.jit
@@ -248,18 +271,25 @@ def _store_rows(o, o_ptr, o_buf, o_desc, row0, col, end, ld_o, BM: gl.constexpr,
 
 
 @gluon.jit
-def _ln_tile(q_smem, row0, end, h, eargs, FLAGS: gl.constexpr, layout: gl.constexpr):
+def _ln_tile(q_smem, stat_bufs, slot, row0, end, h, eargs, FLAGS: gl.constexpr, layout: gl.constexpr):
     """ln_q (fp32, ``layout``) of the Q tile in shared memory: (q - mean) * rstd (* w1 + b1) with the token
     statistics of its rows (0 for rows past the sequence's end, which are never stored) and head h's slice of
-    the LayerNorm's weight and bias."""
+    the LayerNorm's weight and bias. The statistics are new to every tile: FLAGS & 4, the loader staged them in
+    ``stat_bufs`` (rows 2 slot and 2 slot + 1 of [2 NQ, BM] fp32 in shared memory); otherwise they are read
+    from global memory here, on the tile's critical path. The weight and bias are the same for every tile of
+    a work item (L1 hits after the first); kept in registers per item they spilled."""
     BM: gl.constexpr = q_smem.type.shape[0]
     D: gl.constexpr = q_smem.type.shape[1]
     w1_ptr, b1_ptr, mean_ptr, rstd_ptr, ss_ptr = eargs
     rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     cols = h * D + gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    ok = rows < end
-    mean = gl.load(mean_ptr + rows, mask=ok, other=0.0)
-    rstd = gl.load(rstd_ptr + rows, mask=ok, other=0.0)
+    if FLAGS & 4:
+        mean = stat_bufs.index(2 * slot).load(gl.SliceLayout(1, layout))
+        rstd = stat_bufs.index(2 * slot + 1).load(gl.SliceLayout(1, layout))
+    else:
+        ok = rows < end
+        mean = gl.load(mean_ptr + rows, mask=ok, other=0.0)
+        rstd = gl.load(rstd_ptr + rows, mask=ok, other=0.0)
     x = q_smem.load(layout).to(gl.float32)
     y = (x - gl.expand_dims(mean, 1)) * gl.expand_dims(rstd, 1)
     if FLAGS & 1:
@@ -277,13 +307,14 @@ def _store_row_sums(ss, ss_ptr, row0, end, h, H, BM: gl.constexpr, layout: gl.co
 
 
 @gluon.jit
-def _consumer(q_bufs, do_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_ptr, off_ptr, T,
-              H, n_chunks, n_items, scale, eargs, ACT: gl.constexpr, CH: gl.constexpr, CID: gl.constexpr,
+def _consumer(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_ptr,
+              off_ptr, T, H, n_chunks, n_items, scale, eargs, ACT: gl.constexpr, CH: gl.constexpr, CID: gl.constexpr,
               MODE: gl.constexpr, FLAGS: gl.constexpr):
     """MODE 0 (forward): O = act(Q K^T) * scale @ V. MODE 1 (dQ): dQ = (act'(Q K^T) * scale * (dO V^T)) @ K, S and dP
     recomputed per tile (o_* then name dQ's output). MODE 2 (FlashNormAttention's attention): ln_q = the
     LayerNorm of the Q tile from the token statistics, O = act(ln_q K^T) * scale @ V + ln_q, rounded, and
-    sum(O^2) per token for the RMSNorm (``eargs`` = (w1, b1, mean, rstd, ss) pointers, FLAGS: 1 w1, 2 b1)."""
+    sum(O^2) per token for the RMSNorm (``eargs`` = (w1, b1, mean, rstd, ss) pointers, FLAGS: 1 w1, 2 b1, 4 the
+    statistics staged in shared memory by the loader, ``stat_bufs`` [2 NQ, BM])."""
     BM: gl.constexpr = q_bufs.type.shape[1]
     D: gl.constexpr = q_bufs.type.shape[2]
     S: gl.constexpr = k_bufs.type.shape[1]
@@ -327,7 +358,7 @@ def _consumer(q_bufs, do_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_read
                                  ACT, o_layout, DQ_SB)
                     mbarrier.arrive(q_empty.index(s))
                 else:
-                    lnq = _ln_tile(q_bufs.index(s), row_begin + i * BM, end, h, eargs, FLAGS, o_layout)
+                    lnq = _ln_tile(q_bufs.index(s), stat_bufs, s, row_begin + i * BM, end, h, eargs, FLAGS, o_layout)
                     thread_barrier()  # every thread has read the Q slot
                     mbarrier.arrive(q_empty.index(s))
                     a = gl.convert_layout(lnq.to(dtype), gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
@@ -397,6 +428,11 @@ def _partitions(q_desc, do_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n
     # K/V buffers: two in the forward (the next item's land under the current one's tiles); one for dQ, whose
     # program has one item (and with a runtime buffer index its wgmma descriptors did not fit the registers)
     KVB: gl.constexpr = 1 if MODE == 1 else 2
+    # the LayerNorm statistics of each Q slot (FlashNormAttention with FLAGS & 4; else q_bufs stands in, unread)
+    if MODE == 2 and FLAGS & 4:
+        stat_bufs = gl.allocate_shared_memory(gl.float32, [2 * NQ, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        stat_bufs = q_bufs
     k_bufs = gl.allocate_shared_memory(dtype, [KVB, S, D], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [KVB, S, D], v_desc.layout)
     o_bufs = gl.allocate_shared_memory(dtype, [2, BM, D], o_desc.layout)
@@ -412,12 +448,12 @@ def _partitions(q_desc, do_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n
     for i in gl.static_range(KVB):
         mbarrier.init(kv_empty.index(i), count=2)  # both consumers release an item's K and V
     gl.warp_specialize([
-        (_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_ptr,
-                     off_ptr, T, H, n_chunks, n_items, scale, eargs, ACT, CH, 0, MODE, FLAGS)),
-        (_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_ptr,
-                     off_ptr, T, H, n_chunks, n_items, scale, eargs, ACT, CH, 1, MODE, FLAGS)),
-        (_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready,
-                   kv_empty, off_ptr, T, H, n_chunks, n_items, CH, MODE)),
+        (_consumer, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_empty,
+                     o_desc, o_ptr, off_ptr, T, H, n_chunks, n_items, scale, eargs, ACT, CH, 0, MODE, FLAGS)),
+        (_consumer, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_empty,
+                     o_desc, o_ptr, off_ptr, T, H, n_chunks, n_items, scale, eargs, ACT, CH, 1, MODE, FLAGS)),
+        (_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, q_ready, q_empty,
+                   kv_ready, kv_empty, off_ptr, T, H, n_chunks, n_items, eargs, CH, MODE, FLAGS)),
     ], [4, 1], [MMA_REGS, LOAD_REGS])
 
 
@@ -655,7 +691,7 @@ def fna_attention_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_
     t, h, d = q.shape
     nb, s = k.shape[0], k.shape[1]
     n_chunks, n_items = _grid(config, max_seq_len_q, nb, h)
-    flags = (1 if ln_weight is not None else 0) | (2 if ln_bias is not None else 0)
+    flags = (1 if ln_weight is not None else 0) | (2 if ln_bias is not None else 0) | (4 if STAGE_STATS else 0)
     descs = (_rows(q), _rows(k), _rows(v), _rows(rms_in))
     rest = (rms_in, q_offsets, t, h, n_chunks, n_items, float(scale),
             ln_weight if ln_weight is not None else mean, ln_bias if ln_bias is not None else mean, mean, rstd, ss)
@@ -667,7 +703,8 @@ def fna_attention_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_
                     (act, config.chunk, config.q_stages, flags, LOAD_REGS, MMA_REGS), grid, _warps("fwd", s), q.device)
 
     dtypes = tuple(None if w is None else w.dtype for w in (ln_weight, ln_bias))
-    _launch(("fna", q.shape, k.shape, q.dtype, q.device, max_seq_len_q, act, config, dtypes), make, descs, rest)
+    _launch(("fna", q.shape, k.shape, q.dtype, q.device, max_seq_len_q, act, config, dtypes, flags), make, descs,
+            rest)
 
 
 def gdpa_bwd_gluon(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, dq: Tensor, dk: Tensor,
@@ -735,7 +772,7 @@ def _warps(kind: str, s: int) -> int:
 
 
 def compile_offline(d: int, s: int, act: int, dtype: str = "bf16", config: GdpaGluonConfig = PERSISTENT,
-                    kind: str = "fwd", w_dtype: str = "bf16"):
+                    kind: str = "fwd", w_dtype: str = "bf16", flags: int = 3):
     """Compile the forward (``kind`` "fwd"), dQ ("dq") or dK/dV ("dkdv") kernel for sm_90a on the CPU."""
     from .offline import compile_sm90, descriptor_type, runtime_attrs
 
@@ -747,7 +784,7 @@ def compile_offline(d: int, s: int, act: int, dtype: str = "bf16", config: GdpaG
                   n_items="i32", scale="fp32", w1_ptr=f"*{w_dtype}", b1_ptr=f"*{w_dtype}", mean_ptr="*fp32",
                   rstd_ptr="*fp32", ss_ptr="*fp32")
     stages = DKDV_STAGES if kind == "dkdv" else config.q_stages
-    constexprs = dict(ACT=act, CH=config.chunk, NQ=stages, FLAGS=3, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS,
+    constexprs = dict(ACT=act, CH=config.chunk, NQ=stages, FLAGS=flags, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS,
                       num_warps=4)
     signature = {p: values.get(p, "constexpr") for p in _PARAMS[kind]}
     constexprs = {k: v for k, v in constexprs.items() if k in signature}
@@ -767,9 +804,12 @@ def offline_variants() -> list[dict]:
             for d in HEAD_DIMS for s in (64, 128) for a in range(5)]
     out += [dict(op="gdpa", kind="fna", d=d, s=128, act=a, dtype="bf16", config=list(c), w_dtype=w)
             for d in HEAD_DIMS for a in range(5) for c, w in ((PERSISTENT, "bf16"), (PER_ITEM, "fp32"))]
+    # the staged-statistics variant (STAGE_STATS)
+    out += [dict(op="gdpa", kind="fna", d=d, s=128, act=0, dtype="bf16", config=list(c), w_dtype=w, flags=7)
+            for d in HEAD_DIMS for c, w in ((PERSISTENT, "bf16"), (PER_ITEM, "fp32"))]
     return out
 
 
 def compile_variant(v: dict):
     return compile_offline(v["d"], v["s"], v["act"], v["dtype"], GdpaGluonConfig(*v["config"]), v["kind"],
-                           v.get("w_dtype", "bf16"))
+                           v.get("w_dtype", "bf16"), v.get("flags", 3))
