@@ -6,7 +6,8 @@ mean time per call of the block and its share, and the memory floor of one [T, H
 over the copy bandwidth), so "this kernel is worth N passes" can be read off.
 
     python benchmarks/probe_fna_kernels.py --H 1,8 --lmax 512 --out /tmp/fna_kernels.json
-    python benchmarks/probe_fna_kernels.py --stage-stats ...   # also the block with kernels/hopper/gdpa.STAGE_STATS
+    python benchmarks/probe_fna_kernels.py --variants staged,block ...   # also the block with
+        # kernels/hopper/gdpa.STAGE_STATS (fused_staged) and, at H = 1, in one kernel (GLUON_BLOCK: fused_block)
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def main() -> None:
     p.add_argument("--dirs", default="fwd,bwd")
     p.add_argument("--batch", type=int, default=768)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--stage-stats", action="store_true",
-                   help="also time the block with the attention step's statistics staged by the loader (fused_staged)")
+    p.add_argument("--variants", default="",
+                   help="comma list: staged (the attention step's statistics staged by the loader, fused_staged), "
+                        "block (H = 1: the whole block in one Gluon kernel, fused_block)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -59,6 +61,12 @@ def main() -> None:
     import fusenorm_inductor  # noqa: F401  (registers torch.ops.fusenorm.*)
     from fusenorm_inductor.kernels.hopper import gdpa as hopper
     from fusenorm_inductor.ops import flash_norm_attention as fna_op
+    from fusenorm_inductor.ops import flash_norm_attention_kernels as fna_kern
+
+    switches = {"staged": (hopper, "STAGE_STATS"), "block": (fna_kern, "GLUON_BLOCK")}
+    variants = [x for x in args.variants.split(",") if x]
+    if set(variants) - set(switches):
+        p.error(f"--variants: {variants} not in {sorted(switches)}")
 
     fna_op.CHECK_OFFSETS = False
     copy_gbps = gn.measure_ceilings(gn.Bench("cudagraph", 20.0, "cuda"), "cuda", False)["copy_gbps"]
@@ -69,15 +77,19 @@ def main() -> None:
             off = case.offsets
             seed_c = torch.compile(lambda *a: fna.seed_block(*a, off, lmax), dynamic=False)
             impls = {"fused": lambda *a: fna.fused_block(*a, off, lmax), "seed": seed_c}
-            if args.stage_stats:
-                def staged(*a, off=off, lmax=lmax):
-                    hopper.STAGE_STATS = True
+            for name in variants:
+                if name == "block" and h != 1:
+                    continue
+                module, flag = switches[name]
+
+                def switched(*a, off=off, lmax=lmax, module=module, flag=flag):
+                    setattr(module, flag, True)
                     try:
                         return fna.fused_block(*a, off, lmax)
                     finally:
-                        hopper.STAGE_STATS = False
+                        setattr(module, flag, False)
 
-                impls["fused_staged"] = staged
+                impls[f"fused_{name}"] = switched
             pass_ms = case.total * h * 128 * 2 / (copy_gbps * 1e9) * 1e3
             for direction in args.dirs.split(","):
                 for name, fn in impls.items():

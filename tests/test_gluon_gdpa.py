@@ -248,3 +248,41 @@ def test_flash_norm_attention_on_the_gluon_attention(monkeypatch, h, affine, sta
     for name, gg, ww, u_dtype, c in zip(("out", "ln_mean", "ln_rstd", "rms_rstd", "rms_in"), got, want,
                                         (BF16, torch.float32, torch.float32, BF16, BF16), (8, 16, 16, 8, 8)):
         _close(gg, ww, u_dtype, c, name)
+
+
+# ---- the whole block in one kernel where H = 1 (GLUON_BLOCK) ----
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_flash_norm_attention_whole_block_at_one_head(monkeypatch, d, affine, activation):
+    """H = 1: the LayerNorm's statistics from the tile, the attention, the RMSNorm and both residuals in one Gluon
+    launch (no per-token kernels), every output against the reference with test_flash_norm_attention.py's bounds
+    (8 bf16 units; the statistics 16 fp32 units); lengths 0, 1, a partial tile, several items."""
+    from fusenorm_inductor.ops import flash_norm_attention_kernels as kern
+    from fusenorm_inductor.ops.flash_norm_attention import flash_norm_attention_reference
+    from tests.test_flash_norm_attention import _call, _close, _inputs
+
+    monkeypatch.setattr(kern, "GLUON_BLOCK", True)
+    monkeypatch.setattr(kern, "_alloc", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                                device=device))
+
+    class Refuse:
+        def __getitem__(self, grid):
+            raise AssertionError("a per-token Triton kernel ran where the whole block runs in one Gluon kernel")
+
+    # erf GELU at D = 128 spills 8 bytes on triton 3.6 (test_gluon_compile): refused at launch, the three
+    # launches run instead, and that fallback's results are what is checked there
+    spills = activation == "gelu" and d == 128
+    if not spills:
+        monkeypatch.setattr(kern, "_stats_kernel", Refuse())
+        monkeypatch.setattr(kern, "_fwd_finish_kernel", Refuse())
+    lengths = (300, 0, 1, 157, 64, 299, 12, 200, 1100)
+    q, k, v, off, max_len, ws = _inputs(lengths, 128, 1, d, dtype=BF16, device="cuda", seed=d + affine,
+                                        affine=affine)
+    got = _call(kern.flash_norm_attention_triton, q, k, v, off, max_len, ws, activation)
+    want = _call(flash_norm_attention_reference, q, k, v, off, max_len, ws, activation)
+    for name, gg, ww, u_dtype, c in zip(("out", "ln_mean", "ln_rstd", "rms_rstd", "rms_in"), got, want,
+                                        (BF16, torch.float32, torch.float32, BF16, BF16), (8, 16, 16, 8, 8)):
+        _close(gg, ww, u_dtype, c, name)

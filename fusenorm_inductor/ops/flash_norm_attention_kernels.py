@@ -65,6 +65,10 @@ __all__ = ["FnaConfig", "fna_config", "flash_norm_attention_triton", "flash_norm
 # The forward's attention step on sm_90 as a Gluon kernel (kernels/hopper/gdpa.py, fna_attention_gluon) where it
 # takes the inputs; a switch so the benchmarks can time the Triton attention step beside it.
 GLUON_ATTENTION = True
+# Where H = 1 the norms span one tile, and the whole forward (the LayerNorm's statistics, the attention, the
+# RMSNorm and both residuals) runs as one Gluon kernel (kernels/hopper/gdpa.py, fna_block_gluon) instead of three
+# launches: compiled clean for sm_90a, off until its GPU test (tests/test_gluon_gdpa.py) and timings have run.
+GLUON_BLOCK = False
 
 
 class FnaConfig(NamedTuple):
@@ -506,6 +510,27 @@ def _gluon_attention(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, mean
                                                         rstd, rms_in, ss, act, scale))
 
 
+def _gluon_block(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation,
+                 scale, out, mean, rstd, r2, rms_in) -> bool:
+    """The whole forward in one sm_90 Gluon kernel where it is switched on, H = 1 and the inputs suit the Gluon
+    attention (``_gluon_attention``'s conditions); False: the three-launch path runs."""
+    if not GLUON_BLOCK or q.shape[1] != 1:
+        return False
+    from .gdpa_kernels import gluon_unsupported, run_gluon
+
+    tensors = [x for x in (q, k, v, ln_weight, ln_bias, rms_weight) if x is not None]
+    if gluon_unsupported(q, k) is not None or not all(x.is_contiguous() for x in tensors):
+        return False
+    from ..kernels.hopper import gdpa as hopper
+
+    act = activation_code(activation, "fusenorm::flash_norm_attention")
+    weights = tuple(None if w is None else w.dtype for w in (ln_weight, ln_bias, rms_weight))
+    key = ("fnb", q.shape[1:], k.shape[1:], q.dtype, act, weights)
+    return run_gluon(key, (q, k, v, out, rms_in),
+                     lambda: hopper.fna_block_gluon(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight,
+                                                    ln_eps, rms_eps, out, mean, rstd, r2, rms_in, act, scale))
+
+
 def flash_norm_attention_triton(
     q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
     ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], rms_weight: Optional[Tensor],
@@ -521,6 +546,9 @@ def flash_norm_attention_triton(
     rms_in = _alloc((t, h, d), q.dtype, dev)
     mean, rstd, r2 = (_alloc((t,), f32, dev) for _ in range(3))
     if t == 0 or max_seq_len_q == 0:
+        return out, mean, rstd, r2, rms_in
+    if not explicit and _gluon_block(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps,
+                                     rms_eps, activation, scale, out, mean, rstd, r2, rms_in):
         return out, mean, rstd, r2, rms_in
     n_m = triton.cdiv(max_seq_len_q, config.block_m)
     tok = _token_args(q)

@@ -73,7 +73,8 @@ from .gemm_core import mma_layout
 from ...ops._triton_common import num_sms
 from .mm_norm import SpillError, _descriptor
 
-__all__ = ["Plan", "gdpa_fwd_gluon", "gdpa_bwd_gluon", "fna_attention_gluon", "unsupported", "misaligned", "backward_unsupported", "choose_config"]
+__all__ = ["Plan", "gdpa_fwd_gluon", "gdpa_bwd_gluon", "fna_attention_gluon", "fna_block_gluon", "unsupported", "misaligned",
+           "backward_unsupported", "choose_config"]
 
 LOAD_REGS = 24
 MMA_REGS = 232
@@ -244,7 +245,8 @@ def _stage_stats(stat_bufs, slot, eargs, row0, end, BM: gl.constexpr):
     """The loader's copy of a Q tile's LayerNorm statistics (mean, rstd; 0 past the sequence's end) into the
     tile's slot of shared memory, before it arrives on the slot's barrier: the consumers then read them next to
     the tile instead of waiting on global memory in the middle of their own tile."""
-    w1_ptr, b1_ptr, mean_ptr, rstd_ptr, ss_ptr = eargs
+    mean_ptr = eargs[2]
+    rstd_ptr = eargs[3]
     layout: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
     rows = row0 + gl.arange(0, BM, layout=layout)
     ok = rows < end
@@ -277,21 +279,36 @@ def _ln_tile(q_smem, stat_bufs, slot, row0, end, h, eargs, FLAGS: gl.constexpr, 
     the LayerNorm's weight and bias. The statistics are new to every tile: FLAGS & 4, the loader staged them in
     ``stat_bufs`` (rows 2 slot and 2 slot + 1 of [2 NQ, BM] fp32 in shared memory); otherwise they are read
     from global memory here, on the tile's critical path. The weight and bias are the same for every tile of
-    a work item (L1 hits after the first); kept in registers per item they spilled."""
+    a work item (L1 hits after the first); kept in registers per item they spilled. FLAGS & 8 (H = 1, the
+    whole block in one kernel): the statistics are the tile's own rows' (two passes over registers) and are
+    stored to mean / rstd for the backward; ``eargs[8]`` is the LayerNorm's eps."""
     BM: gl.constexpr = q_smem.type.shape[0]
     D: gl.constexpr = q_smem.type.shape[1]
-    w1_ptr, b1_ptr, mean_ptr, rstd_ptr, ss_ptr = eargs
+    w1_ptr = eargs[0]
+    b1_ptr = eargs[1]
+    mean_ptr = eargs[2]
+    rstd_ptr = eargs[3]
     rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     cols = h * D + gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    if FLAGS & 4:
+    if FLAGS & 8:  # the whole token is this tile (H = 1): its statistics from the tile itself, stored for the backward
+        x = q_smem.load(layout).to(gl.float32)
+        mean = gl.sum(x, axis=1) / D
+        xc = x - gl.expand_dims(mean, 1)
+        rstd = gl.rsqrt(gl.sum(xc * xc, axis=1) / D + eargs[8])
+        ok = rows < end
+        gl.store(mean_ptr + rows, mean, mask=ok)
+        gl.store(rstd_ptr + rows, rstd, mask=ok)
+        y = xc * gl.expand_dims(rstd, 1)
+    elif FLAGS & 4:
         mean = stat_bufs.index(2 * slot).load(gl.SliceLayout(1, layout))
         rstd = stat_bufs.index(2 * slot + 1).load(gl.SliceLayout(1, layout))
     else:
         ok = rows < end
         mean = gl.load(mean_ptr + rows, mask=ok, other=0.0)
         rstd = gl.load(rstd_ptr + rows, mask=ok, other=0.0)
-    x = q_smem.load(layout).to(gl.float32)
-    y = (x - gl.expand_dims(mean, 1)) * gl.expand_dims(rstd, 1)
+    if (FLAGS & 8) == 0:
+        x = q_smem.load(layout).to(gl.float32)
+        y = (x - gl.expand_dims(mean, 1)) * gl.expand_dims(rstd, 1)
     if FLAGS & 1:
         y = y * gl.expand_dims(gl.load(w1_ptr + cols).to(gl.float32), 0)
     if FLAGS & 2:
@@ -307,6 +324,31 @@ def _store_row_sums(ss, ss_ptr, row0, end, h, H, BM: gl.constexpr, layout: gl.co
 
 
 @gluon.jit
+def _block_epilogue(o, q_smem, q_empty, o_buf, row0, end, eargs, FLAGS: gl.constexpr, layout: gl.constexpr):
+    """The whole block's end for one tile (H = 1): rms_in = o rounded (stored for the backward), its RMSNorm
+    statistic r2 (stored), and the output o * r2 (* g2) + q, q read again from the tile's slot, which is then
+    released. ``eargs`` = (w1, b1, mean, rstd, r2, w2, rms_desc, rms_ptr, ln_eps, rms_eps)."""
+    BM: gl.constexpr = o.type.shape[0]
+    D: gl.constexpr = o.type.shape[1]
+    # rounded as stored (the RMS sees the o the backward gets), and kept at 16 bits from here: the fp32 tile and
+    # the residual's tile live at once spilled (erf GELU, D = 128)
+    ob = o.to(q_smem.dtype)
+    _store_rows(ob, eargs[7], o_buf, eargs[6], row0, 0, end, D, BM, D, layout)
+    of = ob.to(gl.float32)
+    r2 = gl.rsqrt(gl.sum(of * of, axis=1) / D + eargs[9])
+    rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    gl.store(eargs[4] + rows, r2, mask=rows < end)
+    y = ob.to(gl.float32) * gl.expand_dims(r2, 1)
+    if FLAGS & 16:
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+        y = y * gl.expand_dims(gl.load(eargs[5] + cols).to(gl.float32), 0)
+    y = y + q_smem.load(layout).to(gl.float32)
+    thread_barrier()  # every thread has read the Q slot
+    mbarrier.arrive(q_empty)
+    return y
+
+
+@gluon.jit
 def _consumer(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_ptr,
               off_ptr, T, H, n_chunks, n_items, scale, eargs, ACT: gl.constexpr, CH: gl.constexpr, CID: gl.constexpr,
               MODE: gl.constexpr, FLAGS: gl.constexpr):
@@ -314,7 +356,9 @@ def _consumer(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_emp
     recomputed per tile (o_* then name dQ's output). MODE 2 (FlashNormAttention's attention): ln_q = the
     LayerNorm of the Q tile from the token statistics, O = act(ln_q K^T) * scale @ V + ln_q, rounded, and
     sum(O^2) per token for the RMSNorm (``eargs`` = (w1, b1, mean, rstd, ss) pointers, FLAGS: 1 w1, 2 b1, 4 the
-    statistics staged in shared memory by the loader, ``stat_bufs`` [2 NQ, BM])."""
+    statistics staged in shared memory by the loader, ``stat_bufs`` [2 NQ, BM]). MODE 3 (the whole block, H = 1,
+    FLAGS & 8): MODE 2 with the LayerNorm statistics from the tile and the RMSNorm and second residual in the
+    epilogue (``_block_epilogue``); O is the block's output (``eargs`` in ``gdpa_fnb_kernel``'s order)."""
     BM: gl.constexpr = q_bufs.type.shape[1]
     D: gl.constexpr = q_bufs.type.shape[2]
     S: gl.constexpr = k_bufs.type.shape[1]
@@ -359,8 +403,9 @@ def _consumer(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_emp
                     mbarrier.arrive(q_empty.index(s))
                 else:
                     lnq = _ln_tile(q_bufs.index(s), stat_bufs, s, row_begin + i * BM, end, h, eargs, FLAGS, o_layout)
-                    thread_barrier()  # every thread has read the Q slot
-                    mbarrier.arrive(q_empty.index(s))
+                    if MODE == 2:  # (MODE 3 reads the tile again for the second residual: released after that)
+                        thread_barrier()  # every thread has read the Q slot
+                        mbarrier.arrive(q_empty.index(s))
                     a = gl.convert_layout(lnq.to(dtype), gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
                     acc = warpgroup_mma(a, k_buf.permute((1, 0)), gl.zeros([BM, S], gl.float32, layout=s_layout),
                                         use_acc=False, is_async=True)
@@ -372,6 +417,9 @@ def _consumer(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_emp
                 if MODE == 2:
                     o = o.to(dtype).to(gl.float32)  # rounded as stored: the RMS sees the o the backward gets
                     _store_row_sums(gl.sum(o * o, axis=1), eargs[4], row_begin + i * BM, end, h, H, BM, o_layout)
+                if MODE == 3:
+                    o = _block_epilogue(o, q_bufs.index(s), q_empty.index(s), o_buf, row_begin + i * BM, end, eargs,
+                                        FLAGS, o_layout)
                 _store_rows(o, o_ptr, o_buf, o_desc, row_begin + i * BM, h * D, end, ld_o, BM, D, o_layout)
             # this consumer's last read of the item's K and V has retired (each consumer arrives once)
             mbarrier.wait(kv_ready.index(2 * kb + 1), kv_phase)
@@ -400,6 +448,21 @@ def gdpa_fna_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n_chun
     gl.static_assert(num_warps == 4, "each consumer is one warpgroup")
     _partitions(q_desc, q_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n_chunks, n_items, scale,
                 (w1_ptr, b1_ptr, mean_ptr, rstd_ptr, ss_ptr), ACT, CH, NQ, 2, FLAGS, LOAD_REGS, MMA_REGS)
+
+
+@gluon.jit
+def gdpa_fnb_kernel(q_desc, k_desc, v_desc, o_desc, rms_desc, o_ptr, off_ptr, T, H, n_chunks, n_items, scale, w1_ptr,
+                    b1_ptr, mean_ptr, rstd_ptr, w2_ptr, r2_ptr, rms_ptr, ln_eps, rms_eps, ACT: gl.constexpr,
+                    CH: gl.constexpr, NQ: gl.constexpr, FLAGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+                    MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """The whole FlashNormAttention block where H = 1 (MODE 3 of the partitions): out = RMSNorm(GDPA(ln_q) +
+    ln_q) (* g2) + q with the LayerNorm's statistics from the tile, rms_in (the rounded o) and the statistics
+    stored for the backward; no per-token kernels before or after (FLAGS: 1 w1, 2 b1, 8 always, 16 w2)."""
+    gl.static_assert(num_warps == 4, "each consumer is one warpgroup")
+    gl.static_assert((FLAGS & 12) == 8, "the block's own statistics, none staged")
+    _partitions(q_desc, q_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n_chunks, n_items, scale,
+                (w1_ptr, b1_ptr, mean_ptr, rstd_ptr, r2_ptr, w2_ptr, rms_desc, rms_ptr, ln_eps, rms_eps), ACT, CH,
+                NQ, 3, FLAGS, LOAD_REGS, MMA_REGS)
 
 
 @gluon.jit
@@ -707,6 +770,36 @@ def fna_attention_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_
             rest)
 
 
+def fna_block_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
+                    ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], rms_weight: Optional[Tensor], ln_eps: float,
+                    rms_eps: float, out: Tensor, mean: Tensor, rstd: Tensor, r2: Tensor, rms_in: Tensor, act: int,
+                    scale: float) -> None:
+    """The whole FlashNormAttention forward where H = 1 (the norms span one tile) in one launch: out, the
+    LayerNorm's mean and rstd, the RMSNorm's rstd r2 and rms_in (the rounded o), as the op's Triton path computes
+    them in three; inputs contiguous, weights contiguous [D] or None."""
+    config = choose_config(max_seq_len_q)
+    t, h, d = q.shape
+    assert h == 1, "the whole block in one kernel needs the norms inside one tile (H = 1)"
+    nb, s = k.shape[0], k.shape[1]
+    n_chunks, n_items = _grid(config, max_seq_len_q, nb, h)
+    flags = 8 | (1 if ln_weight is not None else 0) | (2 if ln_bias is not None else 0) | (
+        16 if rms_weight is not None else 0)
+    descs = (_rows(q), _rows(k), _rows(v), _rows(out), _rows(rms_in))
+    stand_in = mean  # an unread pointer where a weight is absent
+    rest = (out, q_offsets, t, h, n_chunks, n_items, float(scale),
+            ln_weight if ln_weight is not None else stand_in, ln_bias if ln_bias is not None else stand_in, mean,
+            rstd, rms_weight if rms_weight is not None else stand_in, r2, rms_in, float(ln_eps), float(rms_eps))
+
+    def make():
+        grid = max(1, min(n_items, num_sms(q.device)) if config.persistent else n_items)
+        tile = [config.block_m, d]
+        return Plan(gdpa_fnb_kernel, "fna block " + config.label(), descs, (tile, [s, d], [s, d], tile, tile), rest,
+                    (act, config.chunk, config.q_stages, flags, LOAD_REGS, MMA_REGS), grid, _warps("fwd", s), q.device)
+
+    dtypes = tuple(None if w is None else w.dtype for w in (ln_weight, ln_bias, rms_weight))
+    _launch(("fnb", q.shape, k.shape, q.dtype, q.device, max_seq_len_q, act, config, dtypes), make, descs, rest)
+
+
 def gdpa_bwd_gluon(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, dq: Tensor, dk: Tensor,
                    dv: Tensor, max_seq_len_q: int, act: int, scale: float) -> None:
     """Write (dq, dk, dv) of ``gdpa_backward_reference`` into the given contiguous buffers; inputs contiguous,
@@ -749,6 +842,9 @@ _PARAMS = {
     "fna": ("q_desc", "k_desc", "v_desc", "o_desc", "o_ptr", "off_ptr", "T", "H", "n_chunks", "n_items", "scale",
             "w1_ptr", "b1_ptr", "mean_ptr", "rstd_ptr", "ss_ptr", "ACT", "CH", "NQ", "FLAGS", "LOAD_REGS", "MMA_REGS",
             "num_warps"),
+    "fnb": ("q_desc", "k_desc", "v_desc", "o_desc", "rms_desc", "o_ptr", "off_ptr", "T", "H", "n_chunks", "n_items",
+            "scale", "w1_ptr", "b1_ptr", "mean_ptr", "rstd_ptr", "w2_ptr", "r2_ptr", "rms_ptr", "ln_eps", "rms_eps",
+            "ACT", "CH", "NQ", "FLAGS", "LOAD_REGS", "MMA_REGS", "num_warps"),
     "dkdv": ("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc", "off_ptr", "T", "H", "scale", "ACT", "NQ",
              "LOAD_REGS", "MMA_REGS", "num_warps"),
 }
@@ -763,7 +859,8 @@ def dkdv_block_m(d: int) -> int:
 
 
 def _kernel(kind: str):
-    return {"fwd": gdpa_fwd_kernel, "dq": gdpa_dq_kernel, "dkdv": gdpa_dkdv_kernel, "fna": gdpa_fna_kernel}[kind]
+    return {"fwd": gdpa_fwd_kernel, "dq": gdpa_dq_kernel, "dkdv": gdpa_dkdv_kernel, "fna": gdpa_fna_kernel,
+            "fnb": gdpa_fnb_kernel}[kind]
 
 
 def _warps(kind: str, s: int) -> int:
@@ -773,7 +870,8 @@ def _warps(kind: str, s: int) -> int:
 
 def compile_offline(d: int, s: int, act: int, dtype: str = "bf16", config: GdpaGluonConfig = PERSISTENT,
                     kind: str = "fwd", w_dtype: str = "bf16", flags: int = 3):
-    """Compile the forward (``kind`` "fwd"), dQ ("dq") or dK/dV ("dkdv") kernel for sm_90a on the CPU."""
+    """Compile the forward (``kind`` "fwd"), dQ ("dq"), dK/dV ("dkdv"), FlashNormAttention's attention step
+    ("fna") or its whole block at H = 1 ("fnb") for sm_90a on the CPU."""
     from .offline import compile_sm90, descriptor_type, runtime_attrs
 
     bm = config.block_m if kind != "dkdv" else dkdv_block_m(d)
@@ -782,7 +880,8 @@ def compile_offline(d: int, s: int, act: int, dtype: str = "bf16", config: GdpaG
                   dk_desc=descriptor_type([64, d], dtype), dv_desc=descriptor_type([64, d], dtype),
                   o_ptr=f"*{dtype}", dq_ptr=f"*{dtype}", off_ptr="*i32", T="i32", H="i32", n_chunks="i32",
                   n_items="i32", scale="fp32", w1_ptr=f"*{w_dtype}", b1_ptr=f"*{w_dtype}", mean_ptr="*fp32",
-                  rstd_ptr="*fp32", ss_ptr="*fp32")
+                  rstd_ptr="*fp32", ss_ptr="*fp32", rms_desc=tile, w2_ptr=f"*{w_dtype}", r2_ptr="*fp32",
+                  rms_ptr=f"*{dtype}", ln_eps="fp32", rms_eps="fp32")
     stages = DKDV_STAGES if kind == "dkdv" else config.q_stages
     constexprs = dict(ACT=act, CH=config.chunk, NQ=stages, FLAGS=flags, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS,
                       num_warps=4)
@@ -804,6 +903,11 @@ def offline_variants() -> list[dict]:
             for d in HEAD_DIMS for s in (64, 128) for a in range(5)]
     out += [dict(op="gdpa", kind="fna", d=d, s=128, act=a, dtype="bf16", config=list(c), w_dtype=w)
             for d in HEAD_DIMS for a in range(5) for c, w in ((PERSISTENT, "bf16"), (PER_ITEM, "fp32"))]
+    # the whole block at H = 1 (GLUON_BLOCK): every activation, affine or not
+    out += [dict(op="gdpa", kind="fnb", d=d, s=128, act=a, dtype="bf16", config=list(PERSISTENT), w_dtype="bf16",
+                 flags=27) for d in HEAD_DIMS for a in range(5)]
+    out += [dict(op="gdpa", kind="fnb", d=d, s=128, act=0, dtype="bf16", config=list(PER_ITEM), w_dtype="fp32",
+                 flags=8) for d in HEAD_DIMS]
     # the staged-statistics variant (STAGE_STATS)
     out += [dict(op="gdpa", kind="fna", d=d, s=128, act=0, dtype="bf16", config=list(c), w_dtype=w, flags=7)
             for d in HEAD_DIMS for c, w in ((PERSISTENT, "bf16"), (PER_ITEM, "fp32"))]
