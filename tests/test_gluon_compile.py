@@ -61,7 +61,7 @@ def _gemm(compiled):
 
 def test_every_path_is_compiled(compiled):
     gdpa = {(v["kind"], v["d"], v["act"]) for v in compiled if v.get("op") == "gdpa"}
-    assert gdpa == {(k, d, a) for k in ("fwd", "dq", "dkdv", "fna") for d in (64, 128) for a in range(5)}, gdpa
+    assert gdpa == {(k, d, a) for k in ("fwd", "dq", "dkdv", "fna", "fnb") for d in (64, 128) for a in range(5)}, gdpa
     compiled = _gemm(compiled)
     kinds = {v["config"][0] for v in compiled}
     assert kinds == {"gl_coop", "gl_pp", "gl_cluster", "gl_rows"}, kinds
