@@ -102,8 +102,9 @@ def choose_config(max_seq_len_q: int) -> GdpaGluonConfig:
 
 
 # FlashNormAttention's attention step with the LayerNorm statistics of each Q tile staged in shared memory by
-# the loader (FLAGS & 4), instead of the consumer reading them from global memory in the middle of its tile. Off until it has run on the H200: its GPU test
-# (test_gluon_gdpa.py) and its time against the measured path (probe_fna_kernels.py --stage-stats).
+# the loader (FLAGS & 4), instead of the consumer reading them from global memory in the middle of its tile.
+# Off until it has run on the H200: its GPU test (test_gluon_gdpa.py) and its time against the measured path
+# (probe_fna_kernels.py --variants staged).
 STAGE_STATS = False
 
 
@@ -290,7 +291,7 @@ def _ln_tile(q_smem, stat_bufs, slot, row0, end, h, eargs, FLAGS: gl.constexpr, 
     rstd_ptr = eargs[3]
     rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     cols = h * D + gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    if FLAGS & 8:  # the whole token is this tile (H = 1): its statistics from the tile itself, stored for the backward
+    if FLAGS & 8:  # the whole token is this tile (H = 1): its statistics from the tile, stored for the backward
         x = q_smem.load(layout).to(gl.float32)
         mean = gl.sum(x, axis=1) / D
         xc = x - gl.expand_dims(mean, 1)
