@@ -907,9 +907,10 @@ def merge(paths: list[str], key: Callable[[dict], tuple] | None = None) -> dict:
             r["core_throughput"] = c["t_mm_core_ms"] / c["t_core_ms"]
     meta = dict(datas[0]["meta"])
     meta.pop("partial", None)
-    meta["merged_from"] = [{"file": p, "date": d["meta"].get("date"), "commit": d["meta"].get("commit"),
-                            "ceilings": d["meta"].get("ceilings")}
-                           for p, d in zip(paths, datas)]
+    # a file that is itself a merge contributes its own sources
+    meta["merged_from"] = [src for p, d in zip(paths, datas) for src in d["meta"].get("merged_from") or
+                           [{"file": p, "date": d["meta"].get("date"), "commit": d["meta"].get("commit"),
+                             "ceilings": d["meta"].get("ceilings")}]]
     return {"meta": meta, "rows": list(rows.values())}
 
 
