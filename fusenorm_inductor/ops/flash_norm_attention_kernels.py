@@ -489,46 +489,40 @@ def _token_args(q: Tensor):
                 EVEN_D=d == pow2_at_least(d), num_warps=4)
 
 
-def _gluon_attention(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, mean, rstd, rms_in, ss, activation,
-                     scale) -> bool:
-    """The attention step on the sm_90 Gluon kernel where it is switched on and takes the inputs (contiguous
-    q, k, v and weights; what ``gdpa_kernels.gluon_unsupported`` accepts); False: the Triton kernel runs."""
-    if not GLUON_ATTENTION:
-        return False
+def _on_gluon(kind: str, q, k, v, weights: tuple, outs: tuple, activation: str, launch) -> bool:
+    """Run ``launch(hopper, act)``, a launch of kernels/hopper/gdpa.py, where the inputs suit the Gluon kernels
+    (``gdpa_kernels.gluon_unsupported`` accepts q and k; q, k, v and the present weights contiguous) through
+    ``gdpa_kernels.run_gluon``'s guard; False: the caller's Triton path runs."""
     from .gdpa_kernels import gluon_unsupported, run_gluon
 
-    tensors = [x for x in (q, k, v, ln_weight, ln_bias) if x is not None]
-    if gluon_unsupported(q, k) is not None or not all(x.is_contiguous() for x in tensors):
+    present = [w for w in weights if w is not None]
+    if gluon_unsupported(q, k) is not None or not all(x.is_contiguous() for x in (q, k, v, *present)):
         return False
     from ..kernels.hopper import gdpa as hopper
 
     act = activation_code(activation, "fusenorm::flash_norm_attention")
-    weights = tuple(None if w is None else w.dtype for w in (ln_weight, ln_bias))
-    key = ("fna", q.shape[1:], k.shape[1:], q.dtype, act, weights)
-    return run_gluon(key, (q, k, v, rms_in),
-                     lambda: hopper.fna_attention_gluon(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, mean,
-                                                        rstd, rms_in, ss, act, scale))
+    key = (kind, q.shape[1:], k.shape[1:], q.dtype, act, tuple(None if w is None else w.dtype for w in weights))
+    return run_gluon(key, (q, k, v, *outs), lambda: launch(hopper, act))
+
+
+def _gluon_attention(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, mean, rstd, rms_in, ss, activation,
+                     scale) -> bool:
+    """The attention step on the sm_90 Gluon kernel where it is switched on and takes the inputs; False: the
+    Triton kernel runs."""
+    return GLUON_ATTENTION and _on_gluon(
+        "fna", q, k, v, (ln_weight, ln_bias), (rms_in,), activation,
+        lambda hopper, act: hopper.fna_attention_gluon(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, mean,
+                                                       rstd, rms_in, ss, act, scale))
 
 
 def _gluon_block(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps, rms_eps, activation,
                  scale, out, mean, rstd, r2, rms_in) -> bool:
     """The whole forward in one sm_90 Gluon kernel where it is switched on, H = 1 and the inputs suit the Gluon
-    attention (``_gluon_attention``'s conditions); False: the three-launch path runs."""
-    if not GLUON_BLOCK or q.shape[1] != 1:
-        return False
-    from .gdpa_kernels import gluon_unsupported, run_gluon
-
-    tensors = [x for x in (q, k, v, ln_weight, ln_bias, rms_weight) if x is not None]
-    if gluon_unsupported(q, k) is not None or not all(x.is_contiguous() for x in tensors):
-        return False
-    from ..kernels.hopper import gdpa as hopper
-
-    act = activation_code(activation, "fusenorm::flash_norm_attention")
-    weights = tuple(None if w is None else w.dtype for w in (ln_weight, ln_bias, rms_weight))
-    key = ("fnb", q.shape[1:], k.shape[1:], q.dtype, act, weights)
-    return run_gluon(key, (q, k, v, out, rms_in),
-                     lambda: hopper.fna_block_gluon(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight,
-                                                    ln_eps, rms_eps, out, mean, rstd, r2, rms_in, act, scale))
+    kernels; False: the three-launch path runs."""
+    return GLUON_BLOCK and q.shape[1] == 1 and _on_gluon(
+        "fnb", q, k, v, (ln_weight, ln_bias, rms_weight), (out, rms_in), activation,
+        lambda hopper, act: hopper.fna_block_gluon(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight,
+                                                   ln_eps, rms_eps, out, mean, rstd, r2, rms_in, act, scale))
 
 
 def flash_norm_attention_triton(

@@ -300,14 +300,14 @@ def _ln_tile(q_smem, stat_bufs, slot, row0, end, h, eargs, FLAGS: gl.constexpr, 
         gl.store(mean_ptr + rows, mean, mask=ok)
         gl.store(rstd_ptr + rows, rstd, mask=ok)
         y = xc * gl.expand_dims(rstd, 1)
-    elif FLAGS & 4:
-        mean = stat_bufs.index(2 * slot).load(gl.SliceLayout(1, layout))
-        rstd = stat_bufs.index(2 * slot + 1).load(gl.SliceLayout(1, layout))
     else:
-        ok = rows < end
-        mean = gl.load(mean_ptr + rows, mask=ok, other=0.0)
-        rstd = gl.load(rstd_ptr + rows, mask=ok, other=0.0)
-    if (FLAGS & 8) == 0:
+        if FLAGS & 4:
+            mean = stat_bufs.index(2 * slot).load(gl.SliceLayout(1, layout))
+            rstd = stat_bufs.index(2 * slot + 1).load(gl.SliceLayout(1, layout))
+        else:
+            ok = rows < end
+            mean = gl.load(mean_ptr + rows, mask=ok, other=0.0)
+            rstd = gl.load(rstd_ptr + rows, mask=ok, other=0.0)
         x = q_smem.load(layout).to(gl.float32)
         y = (x - gl.expand_dims(mean, 1)) * gl.expand_dims(rstd, 1)
     if FLAGS & 1:
@@ -725,24 +725,41 @@ def _rows(x: Tensor) -> Tensor:
     return x.view(-1, x.shape[-2] * x.shape[-1])
 
 
+def _launch_q_tiles(kind: str, kernel, q: Tensor, k: Tensor, v: Tensor, outs: tuple, q_offsets: Tensor,
+                    max_seq_len_q: int, act: int, scale: float, extra: tuple = (), flags: Optional[int] = None,
+                    key: tuple = (), config: Optional[GdpaGluonConfig] = None) -> None:
+    """Launch a kernel on the Q-tile partitions (``_partitions``) through its cached plan: descriptors of q, k, v
+    and of each [T, H, D] output in ``outs`` (the first is also the kernel's o_ptr), then q_offsets, the sizes,
+    the scale and ``extra``; compile-time (ACT, CH, NQ[, FLAGS], LOAD_REGS, MMA_REGS)."""
+    config = config or choose_config(max_seq_len_q)
+    t, h, d = q.shape
+    nb, s = k.shape[0], k.shape[1]
+    n_chunks, n_items = _grid(config, max_seq_len_q, nb, h)
+    descs = (_rows(q), _rows(k), _rows(v)) + tuple(_rows(x) for x in outs)
+    rest = (outs[0], q_offsets, t, h, n_chunks, n_items, float(scale)) + extra
+    consts = (act, config.chunk, config.q_stages) + (() if flags is None else (flags,)) + (LOAD_REGS, MMA_REGS)
+
+    def make():
+        grid = max(1, min(n_items, num_sms(q.device)) if config.persistent else n_items)
+        tile = [config.block_m, d]
+        return Plan(kernel, f"{kind} {config.label()}", descs, (tile, [s, d], [s, d]) + (tile,) * len(outs), rest,
+                    consts, grid, _warps("fwd", s), q.device)
+
+    _launch((kind, q.shape, k.shape, q.dtype, q.device, max_seq_len_q, act, config) + key, make, descs, rest)
+
+
 def gdpa_fwd_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, o: Tensor, max_seq_len_q: int, act: int,
                    scale: float, config: Optional[GdpaGluonConfig] = None) -> None:
     """Write O of ``gdpa_reference`` into ``o`` (contiguous [T, H, D]); inputs contiguous, checked by the op
     and by ``unsupported``. The launch plan is cached per signature. ``config``: a benchmark hook (None:
     ``choose_config``)."""
-    config = config or choose_config(max_seq_len_q)
-    t, h, d = q.shape
-    nb, s = k.shape[0], k.shape[1]
-    n_chunks, n_items = _grid(config, max_seq_len_q, nb, h)
-    descs = (_rows(q), _rows(k), _rows(v), _rows(o))
-    rest = (o, q_offsets, t, h, n_chunks, n_items, float(scale))
+    _launch_q_tiles("fwd", gdpa_fwd_kernel, q, k, v, (o,), q_offsets, max_seq_len_q, act, scale, config=config)
 
-    def make():
-        grid = max(1, min(n_items, num_sms(q.device)) if config.persistent else n_items)
-        return Plan(gdpa_fwd_kernel, config.label(), descs, ([config.block_m, d], [s, d], [s, d], [config.block_m, d]),
-                    rest, (act, config.chunk, config.q_stages, LOAD_REGS, MMA_REGS), grid, _warps("fwd", s), q.device)
 
-    _launch(("fwd", q.shape, k.shape, q.dtype, q.device, max_seq_len_q, act, config), make, descs, rest)
+def _weights(*ws: Optional[Tensor], stand_in: Tensor) -> tuple:
+    """The norm weights as kernel arguments (``stand_in``, never read, where one is absent) and their dtypes for
+    the plan's key."""
+    return (tuple(stand_in if w is None else w for w in ws), tuple(None if w is None else w.dtype for w in ws))
 
 
 def fna_attention_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
@@ -751,24 +768,10 @@ def fna_attention_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_
     """FlashNormAttention's attention step on the forward's structure: rms_in = GDPA(ln_q) + ln_q (rounded to q's
     dtype) and ss [T, H] = its per-head row sums of squares, ln_q rebuilt from q and the LayerNorm statistics
     (mean, rstd [T] fp32) with the norm's weight and bias (contiguous [H * D], or None)."""
-    config = choose_config(max_seq_len_q)
-    t, h, d = q.shape
-    nb, s = k.shape[0], k.shape[1]
-    n_chunks, n_items = _grid(config, max_seq_len_q, nb, h)
     flags = (1 if ln_weight is not None else 0) | (2 if ln_bias is not None else 0) | (4 if STAGE_STATS else 0)
-    descs = (_rows(q), _rows(k), _rows(v), _rows(rms_in))
-    rest = (rms_in, q_offsets, t, h, n_chunks, n_items, float(scale),
-            ln_weight if ln_weight is not None else mean, ln_bias if ln_bias is not None else mean, mean, rstd, ss)
-
-    def make():
-        grid = max(1, min(n_items, num_sms(q.device)) if config.persistent else n_items)
-        tile = [config.block_m, d]
-        return Plan(gdpa_fna_kernel, "fna " + config.label(), descs, (tile, [s, d], [s, d], tile), rest,
-                    (act, config.chunk, config.q_stages, flags, LOAD_REGS, MMA_REGS), grid, _warps("fwd", s), q.device)
-
-    dtypes = tuple(None if w is None else w.dtype for w in (ln_weight, ln_bias))
-    _launch(("fna", q.shape, k.shape, q.dtype, q.device, max_seq_len_q, act, config, dtypes, flags), make, descs,
-            rest)
+    (w1, b1), dtypes = _weights(ln_weight, ln_bias, stand_in=mean)
+    _launch_q_tiles("fna", gdpa_fna_kernel, q, k, v, (rms_in,), q_offsets, max_seq_len_q, act, scale,
+                    (w1, b1, mean, rstd, ss), flags, (dtypes, flags))
 
 
 def fna_block_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
@@ -778,27 +781,12 @@ def fna_block_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_
     """The whole FlashNormAttention forward where H = 1 (the norms span one tile) in one launch: out, the
     LayerNorm's mean and rstd, the RMSNorm's rstd r2 and rms_in (the rounded o), as the op's Triton path computes
     them in three; inputs contiguous, weights contiguous [D] or None."""
-    config = choose_config(max_seq_len_q)
-    t, h, d = q.shape
-    assert h == 1, "the whole block in one kernel needs the norms inside one tile (H = 1)"
-    nb, s = k.shape[0], k.shape[1]
-    n_chunks, n_items = _grid(config, max_seq_len_q, nb, h)
+    assert q.shape[1] == 1, "the whole block in one kernel needs the norms inside one tile (H = 1)"
     flags = 8 | (1 if ln_weight is not None else 0) | (2 if ln_bias is not None else 0) | (
         16 if rms_weight is not None else 0)
-    descs = (_rows(q), _rows(k), _rows(v), _rows(out), _rows(rms_in))
-    stand_in = mean  # an unread pointer where a weight is absent
-    rest = (out, q_offsets, t, h, n_chunks, n_items, float(scale),
-            ln_weight if ln_weight is not None else stand_in, ln_bias if ln_bias is not None else stand_in, mean,
-            rstd, rms_weight if rms_weight is not None else stand_in, r2, rms_in, float(ln_eps), float(rms_eps))
-
-    def make():
-        grid = max(1, min(n_items, num_sms(q.device)) if config.persistent else n_items)
-        tile = [config.block_m, d]
-        return Plan(gdpa_fnb_kernel, "fna block " + config.label(), descs, (tile, [s, d], [s, d], tile, tile), rest,
-                    (act, config.chunk, config.q_stages, flags, LOAD_REGS, MMA_REGS), grid, _warps("fwd", s), q.device)
-
-    dtypes = tuple(None if w is None else w.dtype for w in (ln_weight, ln_bias, rms_weight))
-    _launch(("fnb", q.shape, k.shape, q.dtype, q.device, max_seq_len_q, act, config, dtypes), make, descs, rest)
+    (w1, b1, w2), dtypes = _weights(ln_weight, ln_bias, rms_weight, stand_in=mean)
+    _launch_q_tiles("fnb", gdpa_fnb_kernel, q, k, v, (out, rms_in), q_offsets, max_seq_len_q, act, scale,
+                    (w1, b1, mean, rstd, w2, r2, rms_in, float(ln_eps), float(rms_eps)), flags, (dtypes,))
 
 
 def gdpa_bwd_gluon(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, dq: Tensor, dk: Tensor,
