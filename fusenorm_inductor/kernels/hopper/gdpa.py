@@ -880,26 +880,28 @@ def compile_offline(d: int, s: int, act: int, dtype: str = "bf16", config: GdpaG
     return compile_sm90(_kernel(kind), signature, constexprs, 4, L.maxnreg(_warps(kind, s)), attrs)
 
 
+# The FLAGS the FlashNormAttention launchers can pass (which norm weights are present; STAGE_STATS adds 4 to the
+# attention step's, the whole block always has 8).
+FNA_FLAGS = (0, 1, 2, 3)
+FNB_FLAGS = (8, 9, 10, 11, 24, 25, 26, 27)
+
+
 def offline_variants() -> list[dict]:
     """The forward: every activation at D = 64 and 128, S = 128 (the register-heaviest S), bf16, in both
     schedules, fp16 once. The backward (dQ, dK/dV): every activation at D = 64 and 128, S = 128, and S = 64 (one
-    dK/dV consumer). FlashNormAttention's attention: every activation at D = 64 and 128, bf16 and fp32 norm
-    weights."""
+    dK/dV consumer). FlashNormAttention's attention step (with and without STAGE_STATS) and whole block: every
+    activation at D = 64 and 128 with each set of norm weights its launcher can pass (bf16 weights, persistent
+    schedule) and with all of them as fp32 weights in the per-item schedule."""
     out = [dict(op="gdpa", kind="fwd", d=d, s=128, act=a, dtype="bf16", config=list(c)) for d in HEAD_DIMS
            for a in range(5) for c in (PERSISTENT, PER_ITEM)]
     out += [dict(op="gdpa", kind="fwd", d=128, s=32, act=0, dtype="fp16", config=list(PERSISTENT))]
     out += [dict(op="gdpa", kind=k, d=d, s=s, act=a, dtype="bf16", config=list(DQ_CONFIG)) for k in ("dq", "dkdv")
             for d in HEAD_DIMS for s in (64, 128) for a in range(5)]
-    out += [dict(op="gdpa", kind="fna", d=d, s=128, act=a, dtype="bf16", config=list(c), w_dtype=w)
-            for d in HEAD_DIMS for a in range(5) for c, w in ((PERSISTENT, "bf16"), (PER_ITEM, "fp32"))]
-    # the whole block at H = 1 (GLUON_BLOCK): every activation, affine or not
-    out += [dict(op="gdpa", kind="fnb", d=d, s=128, act=a, dtype="bf16", config=list(PERSISTENT), w_dtype="bf16",
-                 flags=27) for d in HEAD_DIMS for a in range(5)]
-    out += [dict(op="gdpa", kind="fnb", d=d, s=128, act=0, dtype="bf16", config=list(PER_ITEM), w_dtype="fp32",
-                 flags=8) for d in HEAD_DIMS]
-    # the staged-statistics variant (STAGE_STATS)
-    out += [dict(op="gdpa", kind="fna", d=d, s=128, act=0, dtype="bf16", config=list(c), w_dtype=w, flags=7)
-            for d in HEAD_DIMS for c, w in ((PERSISTENT, "bf16"), (PER_ITEM, "fp32"))]
+    for kind, flag_sets in (("fna", FNA_FLAGS + tuple(f | 4 for f in FNA_FLAGS)), ("fnb", FNB_FLAGS)):
+        out += [dict(op="gdpa", kind=kind, d=d, s=128, act=a, dtype="bf16", config=list(PERSISTENT), w_dtype="bf16",
+                     flags=f) for d in HEAD_DIMS for a in range(5) for f in flag_sets]
+        out += [dict(op="gdpa", kind=kind, d=d, s=128, act=a, dtype="bf16", config=list(PER_ITEM), w_dtype="fp32",
+                     flags=max(flag_sets)) for d in HEAD_DIMS for a in range(5)]
     return out
 
 
