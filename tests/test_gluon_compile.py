@@ -224,3 +224,44 @@ def test_backward_column_sums_fold_programs_and_clusters():
     for c, n in ((1, 8), (1, 5), (2, 13), (3, 24)):
         want = torch.cat([per_program[r::c].sum(0) for r in range(c)])[:n]
         torch.testing.assert_close(_columns(part, programs, c, n), want)
+
+
+@pytest.mark.parametrize("launcher", ["fwd", "fna", "fnb"])
+def test_gdpa_launchers_pass_every_kernel_argument(monkeypatch, launcher):
+    """The Q-tile launchers (kernels/hopper/gdpa._launch_q_tiles) on the CPU, with the plan captured instead of
+    compiled: descriptors, runtime arguments and compile-time arguments line up with the kernel's parameters
+    (one TMA box per descriptor), and the FLAGS say which norm weights are present."""
+    import inspect
+
+    from fusenorm_inductor.kernels.hopper import gdpa as hopper
+
+    captured = []
+    monkeypatch.setattr(hopper, "_launch", lambda key, make, descs, rest: captured.append((key, make(), descs, rest)))
+    monkeypatch.setattr(hopper, "Plan", lambda *a: a)
+    monkeypatch.setattr(hopper, "num_sms", lambda device: 132)
+    h = 1 if launcher == "fnb" else 2
+    bf16 = torch.bfloat16
+    q, o = torch.randn(100, h, 128, dtype=bf16), torch.empty(100, h, 128, dtype=bf16)
+    k = torch.randn(3, 128, h, 128, dtype=bf16)
+    offs = torch.tensor([0, 40, 60, 100], dtype=torch.int32)
+    stats, w = torch.zeros(100), torch.ones(h * 128)
+    if launcher == "fwd":
+        hopper.gdpa_fwd_gluon(q, k, k, offs, o, 40, 0, 0.5)
+        kernel, flags = hopper.gdpa_fwd_kernel, None
+    elif launcher == "fna":
+        hopper.fna_attention_gluon(q, k, k, offs, 40, w, None, stats, stats, o, torch.zeros(100, h), 0, 0.5)
+        kernel, flags = hopper.gdpa_fna_kernel, 1
+    else:
+        hopper.fna_block_gluon(q, k, k, offs, 40, None, None, w, 1e-5, 1e-6, o, stats, stats, stats, o.clone(), 0,
+                               0.5)
+        kernel, flags = hopper.gdpa_fnb_kernel, 8 | 16
+    (key, plan, descs, rest), = captured
+    _, _, plan_descs, blocks, plan_rest, consts, grid, _, _ = plan
+    params = list(inspect.signature(kernel.fn).parameters)
+    assert key[0] == launcher and plan_descs is descs and plan_rest is rest and grid == 3 * h
+    assert len(blocks) == len(descs) and all(p.endswith("_desc") for p in params[:len(descs)])
+    assert len(descs) + len(rest) + len(consts) + 1 == len(params) and params[-1] == "num_warps"
+    assert params[len(descs)] == "o_ptr" and rest[0] is o
+    assert ("FLAGS" in params) == (flags is not None)
+    if flags is not None:
+        assert consts[params.index("FLAGS") - len(descs) - len(rest)] == flags
