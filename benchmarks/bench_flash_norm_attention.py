@@ -186,6 +186,10 @@ def derive(r: dict, case: Case, ceilings: dict) -> None:
         tflops = case.gdpa_flops(r["dir"]) / t_g / 1e9
         r["gdpa_tflops"] = tflops
         r["gdpa_share_of_matmul"] = tflops / ceilings["matmul_tflops"]
+    # The names issue 19's table uses for the same figures: baseline (a) is "seed", (b) is "dense".
+    for alias, key in (("t_a_ms", "t_seed_ms"), ("t_b_ms", "t_dense_ms"), ("gdpa_peak_frac", "gdpa_share_of_matmul")):
+        if key in r:
+            r[alias] = r[key]
 
 
 def line(r: dict) -> str:
@@ -259,9 +263,9 @@ def parse_args(argv=None):
     p.add_argument("--shard", default="0/1", help="i/n: measure every n-th (H, Lmax) pair from the i-th")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge partial runs (--shard) into --out, plot")
     p.add_argument("--triton-parts", action="store_true",
-                   help="switch off two sm_90 Gluon kernels to time the Triton ones they replace: the fused block's "
-                        "attention step (flash_norm_attention_kernels.GLUON_ATTENTION) and GDPA's backward "
-                        "(gdpa_kernels.GLUON_BACKWARD)")
+                   help="switch off the sm_90 Gluon kernels to time the Triton ones they replace: the fused block's "
+                        "attention step and whole block at H = 1 (flash_norm_attention_kernels.GLUON_ATTENTION, "
+                        "GLUON_BLOCK) and GDPA's backward (gdpa_kernels.GLUON_BACKWARD)")
     a = p.parse_args(argv)
     dry = a.dry_run
     a.batch = a.batch or (3 if dry else 768)
@@ -308,10 +312,12 @@ def main(argv=None) -> None:
     # benchmark's offsets are valid by construction, so it times the kernels without it (gdpa has no check
     # on CUDA by default).
     fna.CHECK_OFFSETS = False
+    from fusenorm_inductor.kernels.hopper import gdpa as hopper_gdpa
     from fusenorm_inductor.ops import flash_norm_attention_kernels, gdpa_kernels
 
     if args.triton_parts:
         flash_norm_attention_kernels.GLUON_ATTENTION = False
+        flash_norm_attention_kernels.GLUON_BLOCK = False
         gdpa_kernels.GLUON_BACKWARD = False
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -330,7 +336,9 @@ def main(argv=None) -> None:
         "timer": "wall clock, CPU (dry run)" if device != "cuda" else f"{args.timer} median, ms",
         "offset_checks": "off (flash_norm_attention.CHECK_OFFSETS = False; gdpa does not check on CUDA)",
         "gluon_switches": {"GLUON_ATTENTION": flash_norm_attention_kernels.GLUON_ATTENTION,
-                           "GLUON_BACKWARD": gdpa_kernels.GLUON_BACKWARD},
+                           "GLUON_BACKWARD": gdpa_kernels.GLUON_BACKWARD,
+                           "GLUON_BLOCK": flash_norm_attention_kernels.GLUON_BLOCK,
+                           "STAGE_STATS": hopper_gdpa.STAGE_STATS},
         "shape": {"B": args.batch, "S": args.skv, "D": args.dim, "sparsity": args.sparsity,
                   "activation": "fast_gelu", "scale": 1.0, "ln_eps": LN_EPS, "rms_eps": RMS_EPS},
     }

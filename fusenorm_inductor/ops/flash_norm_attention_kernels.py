@@ -67,8 +67,9 @@ __all__ = ["FnaConfig", "fna_config", "flash_norm_attention_triton", "flash_norm
 GLUON_ATTENTION = True
 # Where H = 1 the norms span one tile, and the whole forward (the LayerNorm's statistics, the attention, the
 # RMSNorm and both residuals) runs as one Gluon kernel (kernels/hopper/gdpa.py, fna_block_gluon) instead of three
-# launches: compiled clean for sm_90a, off until its GPU test (tests/test_gluon_gdpa.py) and timings have run.
-GLUON_BLOCK = False
+# launches, which measures as fast as or faster than the three (docs/design.md); a switch so the benchmarks can
+# time the three-kernel path beside it.
+GLUON_BLOCK = True
 
 
 class FnaConfig(NamedTuple):
