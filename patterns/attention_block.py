@@ -475,13 +475,14 @@ class FlashNormAttentionGdpa(_BlockPattern):
 
     @staticmethod
     def check_gluon_gdpa(qv, kv) -> None:
-        """Where the unfused ``fusenorm::gdpa`` runs the sm_90 Gluon forward, the block stays unfused: the fused
-        op's attention is a Triton kernel, about as fast as the Triton GDPA it replaced, and the Gluon GDPA
-        takes 0.6-0.75x of that one's time on the H200 (benchmarks/results/gdpa_gluon_h200.json)."""
+        """Where the unfused ``fusenorm::gdpa`` runs the sm_90 Gluon forward, the block stays unfused: GDPA with
+        Inductor's norms measures faster than the fused block there, in the forward at H >= 2 and in the
+        backward at most shapes (benchmarks/results/flash_norm_attention_h200.json)."""
         from ..ops.gdpa_kernels import gluon_unsupported
 
         require(gluon_unsupported(qv, kv) is not None,
-                "the unfused GDPA runs the sm_90 Gluon kernel here, faster than the fused block's Triton attention")
+                "the unfused GDPA runs the sm_90 Gluon kernel here: with Inductor's norms it measures faster than "
+                "the fused block")
 
     def match(self, g: Node) -> BlockMatch:
         a = bind_op_args(g)
