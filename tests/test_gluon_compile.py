@@ -250,7 +250,7 @@ def test_gdpa_launchers_pass_every_kernel_argument(monkeypatch, launcher):
         kernel, flags = hopper.gdpa_fwd_kernel, None
     elif launcher == "fna":
         hopper.fna_attention_gluon(q, k, k, offs, 40, w, None, stats, stats, o, torch.zeros(100, h), 0, 0.5)
-        kernel, flags = hopper.gdpa_fna_kernel, 1
+        kernel, flags = hopper.gdpa_fna_kernel, 1 | (4 if hopper.STAGE_STATS else 0)  # ln weight; staged stats
     else:
         hopper.fna_block_gluon(q, k, k, offs, 40, None, None, w, 1e-5, 1e-6, o, stats, stats, stats, o.clone(), 0,
                                0.5)
