@@ -30,6 +30,21 @@ pytestmark = pytest.mark.skipif(not (SM90 and _compat.available()),
                                 reason="needs an sm_90 GPU and a triton with Gluon")
 
 
+class Refuse:
+    """Stands in for a Triton kernel that must not run here: launching it (``kernel[grid](...)``) fails the test."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def __getitem__(self, grid):
+        raise AssertionError(self.why)
+
+
+def _poisoned(shape, dtype, device):
+    """The ops' output allocator with NaN in every element: what a kernel leaves unwritten shows."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
 def _gluon(q, k, v, offs, maxlen, activation, scale=SCALE):
     from fusenorm_inductor.kernels.hopper import gdpa as hopper
 
@@ -83,13 +98,9 @@ def test_op_dispatches_to_gluon(monkeypatch):
     from fusenorm_inductor.ops import gdpa_kernels as gk
     from fusenorm_inductor.ops.gdpa import gdpa
 
-    class Refuse:
-        def __getitem__(self, grid):
-            raise AssertionError("the Triton forward ran where the Gluon kernel takes the inputs")
-
-    monkeypatch.setattr(gk, "_gdpa_fwd_kernel", Refuse())
-    monkeypatch.setattr(gk, "_alloc", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                              device=device))
+    monkeypatch.setattr(gk, "_gdpa_fwd_kernel",
+                        Refuse("the Triton forward ran where the Gluon kernel takes the inputs"))
+    monkeypatch.setattr(gk, "_alloc", _poisoned)
     assert gk.gluon_unsupported(torch.empty(1, 2, 128, device="cuda", dtype=BF16),
                                 torch.empty(1, 128, 2, 128, device="cuda", dtype=BF16)) is None
     _check([200, 0, 31], 128, 2, 128, BF16, "fast_gelu", run=lambda q, k, v, o, m, a: gdpa(q, k, v, o, m, a, SCALE))
@@ -192,18 +203,14 @@ def test_op_backward_dispatches_to_gluon(monkeypatch):
     from fusenorm_inductor.ops import gdpa_kernels as gk
     from tests.test_gdpa import op_with_grads
 
-    class Refuse:
-        def __getitem__(self, grid):
-            raise AssertionError("a Triton backward kernel ran where the Gluon backward takes the inputs")
-
-    monkeypatch.setattr(gk, "_alloc", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                              device=device))
+    refuse = Refuse("a Triton backward kernel ran where the Gluon backward takes the inputs")
+    monkeypatch.setattr(gk, "_alloc", _poisoned)
     q, k, v, dout, offs, maxlen = make_inputs([200, 0, 31, 1, 128], 128, 2, 128, BF16, "cuda", seed=11)
     want = oracle_with_grads(q, k, v, dout, offs, "fast_gelu", SCALE)
     bounds = error_bounds(q, k, v, dout, offs, "fast_gelu", SCALE, BF16, BF16)
     with monkeypatch.context() as m:
-        m.setattr(gk, "_gdpa_bwd_dq_kernel", Refuse())
-        m.setattr(gk, "_gdpa_bwd_dkdv_kernel", Refuse())
+        m.setattr(gk, "_gdpa_bwd_dq_kernel", refuse)
+        m.setattr(gk, "_gdpa_bwd_dkdv_kernel", refuse)
         check_all(op_with_grads(q, k, v, dout, offs, maxlen, "fast_gelu", SCALE), want, bounds)
     monkeypatch.setattr(gk, "GLUON_BACKWARD", False)
     check_all(op_with_grads(q, k, v, dout, offs, maxlen, "fast_gelu", SCALE), want, bounds)
@@ -232,8 +239,7 @@ def test_flash_norm_attention_on_the_gluon_attention(monkeypatch, h, affine, sta
 
     monkeypatch.setattr(kern, "GLUON_ATTENTION", True)
     monkeypatch.setattr(kern, "GLUON_BLOCK", False)  # at H = 1 the whole block would run instead of the step
-    monkeypatch.setattr(kern, "_alloc", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                                device=device))
+    monkeypatch.setattr(kern, "_alloc", _poisoned)
     calls = []
     from fusenorm_inductor.kernels.hopper import gdpa as hopper
 
@@ -266,19 +272,15 @@ def test_flash_norm_attention_whole_block_at_one_head(monkeypatch, d, affine, ac
     from tests.test_flash_norm_attention import _call, _close, _inputs
 
     monkeypatch.setattr(kern, "GLUON_BLOCK", True)
-    monkeypatch.setattr(kern, "_alloc", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                                device=device))
-
-    class Refuse:
-        def __getitem__(self, grid):
-            raise AssertionError("a per-token Triton kernel ran where the whole block runs in one Gluon kernel")
+    monkeypatch.setattr(kern, "_alloc", _poisoned)
 
     # erf GELU at D = 128 spills 8 bytes on triton 3.6 (test_gluon_compile): refused at launch, the three
     # launches run instead, and that fallback's results are what is checked there
     spills = activation == "gelu" and d == 128
     if not spills:
-        monkeypatch.setattr(kern, "_stats_kernel", Refuse())
-        monkeypatch.setattr(kern, "_fwd_finish_kernel", Refuse())
+        refuse = Refuse("a per-token Triton kernel ran where the whole block runs in one Gluon kernel")
+        monkeypatch.setattr(kern, "_stats_kernel", refuse)
+        monkeypatch.setattr(kern, "_fwd_finish_kernel", refuse)
     lengths = (300, 0, 1, 157, 64, 299, 12, 200, 1100)
     q, k, v, off, max_len, ws = _inputs(lengths, 128, 1, d, dtype=BF16, device="cuda", seed=d + affine,
                                         affine=affine)
