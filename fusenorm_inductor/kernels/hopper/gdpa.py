@@ -729,7 +729,8 @@ def _launch_q_tiles(kind: str, kernel, q: Tensor, k: Tensor, v: Tensor, outs: tu
                     key: tuple = (), config: Optional[GdpaGluonConfig] = None) -> None:
     """Launch a kernel on the Q-tile partitions (``_partitions``) through its cached plan: descriptors of q, k, v
     and of each [T, H, D] output in ``outs`` (the first is also the kernel's o_ptr), then q_offsets, the sizes,
-    the scale and ``extra``; compile-time (ACT, CH, NQ[, FLAGS], LOAD_REGS, MMA_REGS)."""
+    the scale and ``extra``; compile-time (ACT, CH, NQ[, FLAGS], LOAD_REGS, MMA_REGS). The plan's cache key has
+    the signature, the FLAGS and ``key`` (what else the plan depends on: the norm weights' dtypes)."""
     config = config or choose_config(max_seq_len_q)
     t, h, d = q.shape
     nb, s = k.shape[0], k.shape[1]
@@ -744,7 +745,7 @@ def _launch_q_tiles(kind: str, kernel, q: Tensor, k: Tensor, v: Tensor, outs: tu
         return Plan(kernel, f"{kind} {config.label()}", descs, (tile, [s, d], [s, d]) + (tile,) * len(outs), rest,
                     consts, grid, _warps("fwd", s), q.device)
 
-    _launch((kind, q.shape, k.shape, q.dtype, q.device, max_seq_len_q, act, config) + key, make, descs, rest)
+    _launch((kind, q.shape, k.shape, q.dtype, q.device, max_seq_len_q, act, config, flags) + key, make, descs, rest)
 
 
 def gdpa_fwd_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, o: Tensor, max_seq_len_q: int, act: int,
@@ -755,10 +756,11 @@ def gdpa_fwd_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, o: Tensor
     _launch_q_tiles("fwd", gdpa_fwd_kernel, q, k, v, (o,), q_offsets, max_seq_len_q, act, scale, config=config)
 
 
-def _weights(*ws: Optional[Tensor], stand_in: Tensor) -> tuple:
-    """The norm weights as kernel arguments (``stand_in``, never read, where one is absent) and their dtypes for
-    the plan's key."""
-    return (tuple(stand_in if w is None else w for w in ws), tuple(None if w is None else w.dtype for w in ws))
+def _weights(ws: tuple, bits: tuple, stand_in: Tensor) -> tuple:
+    """The norm weights ``ws`` as kernel arguments (``stand_in``, never read, where one is absent), their dtypes
+    for the plan's key, and the FLAGS of those present (``bits``, one per weight)."""
+    return (tuple(stand_in if w is None else w for w in ws), tuple(None if w is None else w.dtype for w in ws),
+            sum(b for w, b in zip(ws, bits) if w is not None))
 
 
 def fna_attention_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
@@ -767,10 +769,9 @@ def fna_attention_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_
     """FlashNormAttention's attention step on the forward's structure: rms_in = GDPA(ln_q) + ln_q (rounded to q's
     dtype) and ss [T, H] = its per-head row sums of squares, ln_q rebuilt from q and the LayerNorm statistics
     (mean, rstd [T] fp32) with the norm's weight and bias (contiguous [H * D], or None)."""
-    flags = (1 if ln_weight is not None else 0) | (2 if ln_bias is not None else 0) | (4 if STAGE_STATS else 0)
-    (w1, b1), dtypes = _weights(ln_weight, ln_bias, stand_in=mean)
+    (w1, b1), dtypes, flags = _weights((ln_weight, ln_bias), (1, 2), stand_in=mean)
     _launch_q_tiles("fna", gdpa_fna_kernel, q, k, v, (rms_in,), q_offsets, max_seq_len_q, act, scale,
-                    (w1, b1, mean, rstd, ss), flags, (dtypes, flags))
+                    (w1, b1, mean, rstd, ss), flags | (4 if STAGE_STATS else 0), (dtypes,))
 
 
 def fna_block_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
@@ -781,11 +782,9 @@ def fna_block_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_
     LayerNorm's mean and rstd, the RMSNorm's rstd r2 and rms_in (the rounded o), as the op's Triton path computes
     them in three; inputs contiguous, weights contiguous [D] or None."""
     assert q.shape[1] == 1, "the whole block in one kernel needs the norms inside one tile (H = 1)"
-    flags = 8 | (1 if ln_weight is not None else 0) | (2 if ln_bias is not None else 0) | (
-        16 if rms_weight is not None else 0)
-    (w1, b1, w2), dtypes = _weights(ln_weight, ln_bias, rms_weight, stand_in=mean)
+    (w1, b1, w2), dtypes, flags = _weights((ln_weight, ln_bias, rms_weight), (1, 2, 16), stand_in=mean)
     _launch_q_tiles("fnb", gdpa_fnb_kernel, q, k, v, (out, rms_in), q_offsets, max_seq_len_q, act, scale,
-                    (w1, b1, mean, rstd, w2, r2, rms_in, float(ln_eps), float(rms_eps)), flags, (dtypes,))
+                    (w1, b1, mean, rstd, w2, r2, rms_in, float(ln_eps), float(rms_eps)), flags | 8, (dtypes,))
 
 
 def gdpa_bwd_gluon(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, dq: Tensor, dk: Tensor,
