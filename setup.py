@@ -17,6 +17,7 @@ setup(
     python_requires=">=3.10",
     packages=[
         "fusenorm_inductor", "fusenorm_inductor.ops", "fusenorm_inductor.patterns", "fusenorm_inductor.kernels",
+        "fusenorm_inductor.kernels.triton", "fusenorm_inductor.tuning",
         "fusenorm_inductor.kernels.hopper",
     ],
     py_modules=["fusenorm"],

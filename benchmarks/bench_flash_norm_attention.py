@@ -313,7 +313,7 @@ def main(argv=None) -> None:
     # on CUDA by default).
     fna.CHECK_OFFSETS = False
     from fusenorm_inductor.kernels.hopper import gdpa as hopper_gdpa
-    from fusenorm_inductor.ops import flash_norm_attention_kernels, gdpa_kernels
+    from fusenorm_inductor.kernels.triton import flash_norm_attention as flash_norm_attention_kernels, gdpa as gdpa_kernels
 
     if args.triton_parts:
         flash_norm_attention_kernels.GLUON_ATTENTION = False

@@ -380,7 +380,7 @@ def measure_ceilings(bench: Bench, device: str, dry: bool) -> dict:
     n = 256 if dry else 8192
     numel = (1 << 20) if dry else (1 << 29)  # 1 GiB of bf16: far beyond L2
     if device == "cuda":
-        from fusenorm_inductor.ops import measure
+        from fusenorm_inductor.tuning import measure
 
         copy_gbps = measure.copy_bandwidth_gbps(torch.device("cuda"))
     else:
@@ -420,7 +420,7 @@ def ask_choice(name: str, op_args: tuple) -> dict:
     """``ops.tuning.<name>(*op_args)`` (a function returning a ``Choice``) as row fields; "n/a" when the
     module or the function does not exist (yet), the error recorded when it raises."""
     try:
-        from fusenorm_inductor.ops import tuning
+        from fusenorm_inductor.tuning import decide as tuning
     except Exception as e:  # noqa: BLE001 (a module being written may not import yet)
         return {"path": "n/a", "fuse": None, "dispatch_error": f"import: {type(e).__name__}: {e}"}
     choose = getattr(tuning, name, None)
@@ -513,7 +513,7 @@ def _measure_point(p: Point, m: int, device: str, bench: Bench, shared: dict, ro
 def candidate_times(op_args: tuple, bench: Bench) -> dict:
     """Every configuration the backward's dispatch would time, each timed once here (label -> ms, or why it
     did not run: a specialization that spills is refused)."""
-    from fusenorm_inductor.ops import mm_norm_backward_kernels as bk
+    from fusenorm_inductor.kernels.triton import mm_norm_backward as bk
 
     dy, b, extra, src, weight, mean, rstd, _, _, _, dx_dtype = op_args
     out = {}
@@ -571,8 +571,8 @@ def core_alone(p: Point, case: Case, bench: Bench, shared: dict) -> dict:
 def gemm_base(p: Point, op_args: tuple) -> tuple[Callable, str]:
     """The fused kernel with the norm switched off (same configuration as t_fused): its GEMM alone, to
     compare with cuBLAS (t_base / t_mm)."""
-    from fusenorm_inductor.ops import mm_norm_backward_kernels as bk
-    from fusenorm_inductor.ops import mm_norm_kernels as fk
+    from fusenorm_inductor.kernels.triton import mm_norm_backward as bk
+    from fusenorm_inductor.kernels.triton import mm_norm as fk
 
     if p.dir == "fwd":
         cfg = fk.forward_config(*op_args)
@@ -602,7 +602,7 @@ def probe_args(doc: str) -> argparse.Namespace:
 def plain_core(a: torch.Tensor, b: torch.Tensor, cfg) -> Callable:
     """``a @ b`` on the Gluon GEMM core in configuration ``cfg`` with its plain epilogue (the forward op with
     the norm switched off)."""
-    from fusenorm_inductor.ops import mm_norm_kernels as fk
+    from fusenorm_inductor.kernels.triton import mm_norm as fk
 
     return lambda: fk.mm_norm_triton(a, b, None, None, None, None, 1e-6, True, DTYPE, False, config=cfg,
                                      gemm_only=True)
@@ -1014,8 +1014,8 @@ def compile_only(args, device: str) -> None:
 def warm_fused_kernels(p: Point, m: int, device: str) -> None:
     """Run every candidate configuration of the fused op once (with and without the norm), so that Triton's
     on-disk cache holds their binaries before the main process tunes and times them."""
-    from fusenorm_inductor.ops import mm_norm_backward_kernels as bk
-    from fusenorm_inductor.ops import mm_norm_kernels as fk
+    from fusenorm_inductor.kernels.triton import mm_norm_backward as bk
+    from fusenorm_inductor.kernels.triton import mm_norm as fk
 
     try:
         with torch.no_grad():

@@ -130,8 +130,8 @@ def part_ops() -> dict:
     from torch._inductor.select_algorithm import extern_kernels
 
     from fusenorm_inductor import graph_calls
-    from fusenorm_inductor.ops import measure
-    from fusenorm_inductor.ops.mm_norm_kernels import _outputs
+    from fusenorm_inductor.tuning import measure
+    from fusenorm_inductor.kernels.triton.mm_norm import _outputs
 
     graph_calls.install()
     g_mm_norm = getattr(extern_kernels, graph_calls.call_name("mm_norm"))

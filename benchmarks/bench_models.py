@@ -334,7 +334,7 @@ def retime_reversed(row: dict, make_model, batches, loss_fn, lr: float, args, de
     import tempfile
 
     from fusenorm_inductor import config as fn_config
-    from fusenorm_inductor.ops import measure
+    from fusenorm_inductor.tuning import measure
 
     again, spent = {}, {}
     for backend in ("inductor", "fusenorm", "inductor_aa"):

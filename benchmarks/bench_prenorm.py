@@ -259,7 +259,7 @@ def compile_only(args, device: str) -> None:
     were taken next to the other workers, the main process measures again alone."""
     import torch._inductor.config as inductor_config
 
-    from fusenorm_inductor.ops import measure
+    from fusenorm_inductor.tuning import measure
 
     inductor_config.autotune_local_cache = False  # as bench_gemm_norm: the main process autotunes alone
     measure._write_disk = lambda key, entry: None

@@ -16,8 +16,8 @@ for kind, bm, bn, bk, st, w, n in [("gl_coop", 128, 64, 32, 4, 4, 64), ("gl_pp",
 
 def one(c):
     import torch
-    from fusenorm_inductor.ops._triton_common import GemmConfig
-    from fusenorm_inductor.ops import mm_norm_kernels as fk
+    from fusenorm_inductor.kernels.triton.common import GemmConfig
+    from fusenorm_inductor.kernels.triton import mm_norm as fk
     from fusenorm_inductor.ops.mm_norm import mm_norm_reference
     torch.manual_seed(0)
     m, n, k = c["m"], c["n"], c["k"]

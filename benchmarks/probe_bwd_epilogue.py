@@ -29,7 +29,7 @@ def main() -> None:
     from triton.testing import do_bench
 
     from fusenorm_inductor.kernels.hopper import mm_norm_backward as hopper
-    from fusenorm_inductor.ops import mm_norm_backward_kernels as bk
+    from fusenorm_inductor.kernels.triton import mm_norm_backward as bk
 
     torch.manual_seed(0)
     point = bench.Point("bwd", args.K, args.N, args.norm, True)

@@ -14,9 +14,9 @@ import time
 import torch
 
 from fusenorm_inductor import config
-from fusenorm_inductor.ops import mm_norm_backward_kernels as bk
-from fusenorm_inductor.ops import mm_norm_kernels as fk
-from fusenorm_inductor.ops import measure
+from fusenorm_inductor.kernels.triton import mm_norm_backward as bk
+from fusenorm_inductor.kernels.triton import mm_norm as fk
+from fusenorm_inductor.tuning import measure
 
 M = 262144
 BF16 = torch.bfloat16

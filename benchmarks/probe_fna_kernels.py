@@ -61,7 +61,7 @@ def main() -> None:
     import fusenorm_inductor  # noqa: F401  (registers torch.ops.fusenorm.*)
     from fusenorm_inductor.kernels.hopper import gdpa as hopper
     from fusenorm_inductor.ops import flash_norm_attention as fna_op
-    from fusenorm_inductor.ops import flash_norm_attention_kernels as fna_kern
+    from fusenorm_inductor.kernels.triton import flash_norm_attention as fna_kern
 
     switches = {"staged": (hopper, "STAGE_STATS"), "block": (fna_kern, "GLUON_BLOCK")}
     variants = [x for x in args.variants.split(",") if x]

@@ -46,8 +46,8 @@ def main() -> None:
     import triton
 
     from fusenorm_inductor.kernels.hopper import gdpa as hopper
-    from fusenorm_inductor.ops import gdpa_kernels as gk
-    from fusenorm_inductor.ops.activations import activation_code
+    from fusenorm_inductor.kernels.triton import gdpa as gk
+    from fusenorm_inductor.activations import activation_code
 
     def parse(spec: str, lmax: int):
         if spec == "auto":

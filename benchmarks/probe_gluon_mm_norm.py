@@ -39,7 +39,7 @@ def main():
     from triton.testing import do_bench_cudagraph
 
     from fusenorm_inductor.kernels.hopper import mm_norm as hopper
-    from fusenorm_inductor.ops import mm_norm_kernels as fk
+    from fusenorm_inductor.kernels.triton import mm_norm as fk
 
     hopper.ALLOW_SPILLS = args.allow_spills
     out = open(args.out, "a") if args.out else None
@@ -117,7 +117,7 @@ def main():
 def _extra(spec: str, n: int) -> list:
     """--configs entries that apply to rows of n columns (a cluster config only where cluster_size allows)."""
     from fusenorm_inductor.kernels.hopper import mm_norm as hopper
-    from fusenorm_inductor.ops._triton_common import GemmConfig
+    from fusenorm_inductor.kernels.triton.common import GemmConfig
 
     out = []
     for item in filter(None, spec.split(",")):

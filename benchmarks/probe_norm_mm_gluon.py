@@ -29,7 +29,7 @@ def main() -> None:
     from triton.testing import do_bench
 
     from fusenorm_inductor.kernels.hopper import norm_mm as hopper
-    from fusenorm_inductor.ops import norm_mm_kernels as nk
+    from fusenorm_inductor.kernels.triton import norm_mm as nk
 
     torch.manual_seed(0)
     dt, dev, k, n = torch.bfloat16, "cuda", args.K, args.N

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import triton
 
 from fusenorm_inductor import config
-from fusenorm_inductor.ops import norm_mm_kernels as nk
+from fusenorm_inductor.kernels.triton import norm_mm as nk
 
 config.tuning.measure = False
 torch.manual_seed(0)

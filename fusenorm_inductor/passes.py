@@ -84,7 +84,7 @@ class FusenormPass(CustomGraphPass):
         return f"FusenormPass({self.stage!r})"
 
     def __call__(self, graph: fx.Graph) -> None:
-        from .ops.baseline import in_baseline_compile
+        from .tuning.baseline import in_baseline_compile
         from .patterns import run_stage
 
         if in_baseline_compile():  # the decision's own compile of an unfused subgraph: plain Inductor's

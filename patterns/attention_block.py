@@ -56,7 +56,7 @@ from torch.fx import Node
 
 from fusenorm_inductor import config, fx_utils
 from fusenorm_inductor.fx_utils import val
-from fusenorm_inductor.ops.activations import ACTIVATIONS, act_reference
+from fusenorm_inductor.activations import ACTIVATIONS, act_reference
 from fusenorm_inductor.report import GraphReport
 
 from .base import Pattern, Reject, bind_op_args, describe, require
@@ -478,7 +478,7 @@ class FlashNormAttentionGdpa(_BlockPattern):
         """Where the unfused ``fusenorm::gdpa`` runs the sm_90 Gluon forward, the block stays unfused: GDPA with
         Inductor's norms measures faster than the fused block there, in the forward at H >= 2 and in the
         backward at most shapes (benchmarks/results/flash_norm_attention_h200.json)."""
-        from ..ops.gdpa_kernels import gluon_unsupported
+        from ..kernels.triton.gdpa import gluon_unsupported
 
         require(gluon_unsupported(qv, kv) is not None,
                 "the unfused GDPA runs the sm_90 Gluon kernel here: with Inductor's norms it measures faster than "

@@ -18,8 +18,7 @@ from torch.fx import Node
 
 from fusenorm_inductor import fx_utils
 from fusenorm_inductor.fx_utils import flat_like, val
-from fusenorm_inductor.ops.kernel_choice import describe_mm_norm_backward
-from fusenorm_inductor.ops.tuning import Choice, backward_choice
+from fusenorm_inductor.tuning.decide import Choice, backward_choice, describe_mm_norm_backward
 from fusenorm_inductor.report import GraphReport
 
 from .base import Pattern, Reject, bind_op_args, getitem_users, is_op, require

@@ -23,8 +23,7 @@ from torch.fx import Node
 
 from fusenorm_inductor import fx_utils
 from fusenorm_inductor.fx_utils import flat_like, val
-from fusenorm_inductor.ops.kernel_choice import describe_mm_norm
-from fusenorm_inductor.ops.tuning import Choice, forward_choice
+from fusenorm_inductor.tuning.decide import Choice, describe_mm_norm, forward_choice
 from fusenorm_inductor.report import GraphReport
 
 from .base import Pattern, Reject, bind_op_args, describe, getitem_users, is_op, require

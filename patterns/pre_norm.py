@@ -28,8 +28,8 @@ from torch.fx import Node
 
 from fusenorm_inductor import config, fx_utils
 from fusenorm_inductor.fx_utils import val
-from fusenorm_inductor.ops import measure
-from fusenorm_inductor.ops.tuning import Choice, prenorm_choice, prenorm_norm_ms
+from fusenorm_inductor.tuning import measure
+from fusenorm_inductor.tuning.decide import Choice, prenorm_choice, prenorm_norm_ms
 from fusenorm_inductor.report import GraphReport
 
 from .base import Pattern, Reject, bind_op_args, describe, getitem_users, is_op, require

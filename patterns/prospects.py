@@ -33,7 +33,7 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from fusenorm_inductor.fx_utils import flat_like, same_shape, val
-from fusenorm_inductor.ops.tuning import backward_choice, forward_choice
+from fusenorm_inductor.tuning.decide import backward_choice, forward_choice
 from fusenorm_inductor.report import GraphReport
 
 from .base import Pattern, Reject, bind_op_args, describe, getitem_users, is_op, require

@@ -17,9 +17,9 @@ from typing import Optional
 import pytest
 import torch
 
-from fusenorm_inductor.ops import _triton_common
-from fusenorm_inductor.ops import mm_norm_backward_kernels as bwd_k
-from fusenorm_inductor.ops import mm_norm_kernels as fwd_k
+from fusenorm_inductor.kernels.triton import common as _triton_common
+from fusenorm_inductor.kernels.triton import mm_norm_backward as bwd_k
+from fusenorm_inductor.kernels.triton import mm_norm as fwd_k
 from fusenorm_inductor.ops.mm_norm import mm_norm_reference
 from fusenorm_inductor.ops.mm_norm_backward import mm_norm_backward_reference
 from fusenorm_inductor.ops.norm import norm_reference

@@ -1,10 +1,10 @@
-"""GDPA's activations (fusenorm_inductor/ops/activations.py): the torch references against autograd in fp64,
+"""GDPA's activations (fusenorm_inductor/activations.py and kernels/triton/activations.py): the torch references against autograd in fp64,
 and the Triton versions (the interpreter on CPU, compiled on CUDA) against the references."""
 
 import pytest
 import torch
 
-from fusenorm_inductor.ops.activations import (
+from fusenorm_inductor.activations import (
     ACTIVATIONS, act_grad_reference, act_reference, activation_code,
 )
 
@@ -44,7 +44,7 @@ def test_unknown_activation_is_named():
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from fusenorm_inductor.ops.activations import act_bwd, act_fwd  # noqa: E402
+from fusenorm_inductor.kernels.triton.activations import act_bwd, act_fwd  # noqa: E402
 
 
 @triton.jit

@@ -100,7 +100,7 @@ def test_block_training_gate(device):
 def test_gdpa_block_left_to_the_gluon_gdpa(monkeypatch):
     """Where the unfused GDPA would run the sm_90 Gluon forward (faked here on the CPU), the block stays
     unfused, with the reason in the report, and the result is eager's."""
-    from fusenorm_inductor.ops import gdpa_kernels
+    from fusenorm_inductor.kernels.triton import gdpa as gdpa_kernels
 
     monkeypatch.setattr(gdpa_kernels, "gluon_unsupported", lambda q, k: None)
     gdpa = lambda: FlashNormAttentionBlock(2, 16, "gdpa", "fast_gelu", 0.5, True)  # noqa: E731

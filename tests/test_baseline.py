@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fusenorm_inductor import config, passes
-from fusenorm_inductor.ops import baseline, measure, tuning
+from fusenorm_inductor.tuning import baseline, decide as tuning, measure
 from fusenorm_inductor.ops.mm_norm import mm_norm_reference
 from fusenorm_inductor.ops.norm_mm import norm_mm_reference
 
@@ -118,7 +118,7 @@ def test_decision_uses_inductors_time_and_the_lower_host_time(monkeypatch, by, p
     monkeypatch.setattr(measure, "lookup", lambda key: None)
     monkeypatch.setattr(measure, "store", lambda key, entry: None)
     monkeypatch.setattr(measure, "unfused_host_us", lambda device: pair_us)
-    from fusenorm_inductor.ops._triton_common import GemmConfig
+    from fusenorm_inductor.kernels.triton.common import GemmConfig
 
     cfg = GemmConfig("gl_coop", 128, 128, 64, 4, 4)
     entry = measure.make_entry(cfg, {cfg: 0.05}, 0.1, 45.0, (0.1, 60.0) if by == "inductor" else None)

@@ -29,12 +29,12 @@ CUDA = torch.cuda.is_available()
 if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     # Triton reads the switch when a kernel is decorated (conftest.py normally sets it first).
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("fusenorm_inductor.ops.activations", "fusenorm_inductor.ops.flash_norm_attention_kernels"):
+    for _name in ("fusenorm_inductor.activations", "fusenorm_inductor.kernels.triton.flash_norm_attention"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 
 from fusenorm_inductor.ops import flash_norm_attention as fna  # noqa: E402
-from fusenorm_inductor.ops.activations import ACTIVATIONS, act_reference  # noqa: E402
+from fusenorm_inductor.activations import ACTIVATIONS, act_reference  # noqa: E402
 from fusenorm_inductor.ops.flash_norm_attention import (  # noqa: E402
     flash_norm_attention,
     flash_norm_attention_backward,
@@ -253,7 +253,7 @@ def test_torch_compile_matches_eager():
 def _kernels(monkeypatch):
     """The kernel module with every launcher-allocated output and scratch NaN-poisoned."""
     pytest.importorskip("triton")
-    from fusenorm_inductor.ops import flash_norm_attention_kernels as kern
+    from fusenorm_inductor.kernels.triton import flash_norm_attention as kern
 
     monkeypatch.setattr(kern, "_alloc", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
                                                                                 device=device))
@@ -332,7 +332,7 @@ def test_cuda_bf16(h):
     autograd) against the reference and the backward reference on the GPU."""
     lengths = (300, 0, 1, 157, 64, 299, 12, 200)
     q, k, v, off, max_len, ws = _inputs(lengths, 128, h, 128, dtype=BF16, device="cuda", seed=10)
-    from fusenorm_inductor.ops import flash_norm_attention_kernels as kern
+    from fusenorm_inductor.kernels.triton import flash_norm_attention as kern
 
     # bf16 output; flips of bf16-rounded intermediates summed over S = 128 (forward) and up to 300 tokens
     # (dk, dv, weight gradients): 8 u16 forward, 16 u16 backward.

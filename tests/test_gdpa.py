@@ -31,13 +31,13 @@ if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     # Triton reads the switch when a kernel is decorated: set it before the kernel modules are imported, and
     # reload any imported without it (conftest.py normally sets it first).
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("fusenorm_inductor.ops._triton_common", "fusenorm_inductor.ops.activations",
-                  "fusenorm_inductor.ops.gdpa_kernels"):
+    for _name in ("fusenorm_inductor.kernels.triton.common", "fusenorm_inductor.activations",
+                  "fusenorm_inductor.kernels.triton.gdpa"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 
 from fusenorm_inductor.ops import gdpa as gdpa_mod  # noqa: E402
-from fusenorm_inductor.ops.activations import ACTIVATIONS, act_grad_reference, act_reference  # noqa: E402
+from fusenorm_inductor.activations import ACTIVATIONS, act_grad_reference, act_reference  # noqa: E402
 from fusenorm_inductor.ops.gdpa import gdpa, gdpa_backward, gdpa_backward_reference, gdpa_reference  # noqa: E402
 
 F16, F32, F64, BF16 = torch.float16, torch.float32, torch.float64, torch.bfloat16
@@ -337,7 +337,7 @@ def test_backward_op_validates_dout():
 @pytest.fixture
 def kernels(monkeypatch):
     """The kernel module with NaN-poisoned outputs (an element no program writes shows up)."""
-    gk = pytest.importorskip("fusenorm_inductor.ops.gdpa_kernels")
+    gk = pytest.importorskip("fusenorm_inductor.kernels.triton.gdpa")
     monkeypatch.setattr(gk, "_alloc", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
                                                                               device=device))
     return gk

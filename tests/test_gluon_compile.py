@@ -46,7 +46,7 @@ def compiled(request):
 
 
 def _label(v):
-    from fusenorm_inductor.ops._triton_common import GemmConfig
+    from fusenorm_inductor.kernels.triton.common import GemmConfig
 
     if v.get("op") == "gdpa":
         return f"gdpa {v['kind']} D={v['d']} S={v['s']} act={v['act']} {v['dtype']} {v['config']}"
@@ -152,7 +152,7 @@ def test_cluster_barrier_exactly_where_rows_are_exchanged(compiled):
 
 def test_on_by_default_and_switchable():
     from fusenorm_inductor import config
-    from fusenorm_inductor.ops import mm_norm_kernels as fk
+    from fusenorm_inductor.kernels.triton import mm_norm as fk
 
     a = torch.empty((257, 64), dtype=torch.bfloat16)
     b = torch.empty((128, 64), dtype=torch.bfloat16).t()
@@ -164,7 +164,7 @@ def test_on_by_default_and_switchable():
 
 def test_gdpa_gluon_takes_only_what_it_can():
     from fusenorm_inductor import config
-    from fusenorm_inductor.ops import gdpa_kernels as gk
+    from fusenorm_inductor.kernels.triton import gdpa as gk
 
     def reason(t=4, h=2, d=128, s=128, dtype=torch.bfloat16):
         return gk.gluon_unsupported(torch.empty(t, h, d, dtype=dtype), torch.empty(1, s, h, d, dtype=dtype))
@@ -185,7 +185,7 @@ def test_gdpa_gluon_launch_guard():
     """``run_gluon``: a launch whose specialization spills falls back and is not compiled again; a tensor TMA
     cannot address falls back without a launch; otherwise the launch runs."""
     from fusenorm_inductor.kernels.hopper.mm_norm import SpillError
-    from fusenorm_inductor.ops import gdpa_kernels as gk
+    from fusenorm_inductor.kernels.triton import gdpa as gk
 
     calls = []
 

@@ -159,7 +159,7 @@ def test_register_budget():
 def test_kernel_args_fill_every_parameter(n, kind, save, gemm_only):
     """The launcher's argument tuple has one value per kernel parameter (num_warps comes as an option), and its
     compile-time values are those the offline compile builds (both come from launch_shape)."""
-    from fusenorm_inductor.ops._triton_common import GemmConfig
+    from fusenorm_inductor.kernels.triton.common import GemmConfig
 
     m, k = 300, 64
     a = torch.randn(m, k).to(BF16)

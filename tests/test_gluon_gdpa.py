@@ -23,7 +23,7 @@ from tests.test_gdpa import (  # noqa: E402
     make_inputs,
     oracle_with_grads,
 )
-from fusenorm_inductor.ops.activations import ACTIVATIONS, activation_code  # noqa: E402
+from fusenorm_inductor.activations import ACTIVATIONS, activation_code  # noqa: E402
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = pytest.mark.skipif(not (SM90 and _compat.available()),
@@ -95,7 +95,7 @@ def test_one_head_one_sequence_and_last_rows():
 
 def test_op_dispatches_to_gluon(monkeypatch):
     """The op takes the Gluon kernel for bf16, D = 128, S = 128: the Triton forward kernel must not run."""
-    from fusenorm_inductor.ops import gdpa_kernels as gk
+    from fusenorm_inductor.kernels.triton import gdpa as gk
     from fusenorm_inductor.ops.gdpa import gdpa
 
     monkeypatch.setattr(gk, "_gdpa_fwd_kernel",
@@ -128,7 +128,7 @@ def test_bad_offsets_stay_inside_the_buffers():
 @pytest.mark.parametrize("what", ["s256", "s40", "d32", "fp32"])
 def test_unsupported_inputs_fall_back(what, monkeypatch):
     """Inputs outside the kernel get a reason from ``gluon_unsupported`` and the op's Triton kernel runs."""
-    from fusenorm_inductor.ops import gdpa_kernels as gk
+    from fusenorm_inductor.kernels.triton import gdpa as gk
     from fusenorm_inductor.ops.gdpa import gdpa
 
     s, d, dtype = {"s256": (256, 64, BF16), "s40": (40, 64, BF16), "d32": (128, 32, BF16),
@@ -157,7 +157,7 @@ def test_misaligned_view_takes_the_triton_kernel():
 
 def test_switch_off_takes_the_triton_kernel():
     from fusenorm_inductor import config
-    from fusenorm_inductor.ops import gdpa_kernels as gk
+    from fusenorm_inductor.kernels.triton import gdpa as gk
 
     q = torch.empty(4, 2, 128, device="cuda", dtype=BF16)
     k = torch.empty(1, 128, 2, 128, device="cuda", dtype=BF16)
@@ -200,7 +200,7 @@ def test_op_backward_dispatches_to_gluon(monkeypatch):
     """The op's autograd backward takes the Gluon kernels for bf16, D = 128, S = 128 (the Triton backward kernels
     must not run), into NaN-poisoned gradients, against the oracle; with the switch off the Triton kernels give
     the same gradients within the same bounds."""
-    from fusenorm_inductor.ops import gdpa_kernels as gk
+    from fusenorm_inductor.kernels.triton import gdpa as gk
     from tests.test_gdpa import op_with_grads
 
     refuse = Refuse("a Triton backward kernel ran where the Gluon backward takes the inputs")
@@ -233,7 +233,7 @@ def test_flash_norm_attention_on_the_gluon_attention(monkeypatch, h, affine, sta
     """The fused block's forward with its attention step on the Gluon kernel, against the reference, with the
     bounds test_flash_norm_attention.py uses for the Triton kernels (8 bf16 units); the LayerNorm statistics
     read per tile from global memory or staged in shared memory by the loader (hopper.gdpa.STAGE_STATS)."""
-    from fusenorm_inductor.ops import flash_norm_attention_kernels as kern
+    from fusenorm_inductor.kernels.triton import flash_norm_attention as kern
     from fusenorm_inductor.ops.flash_norm_attention import flash_norm_attention_reference
     from tests.test_flash_norm_attention import _call, _close, _inputs
 
@@ -267,7 +267,7 @@ def test_flash_norm_attention_whole_block_at_one_head(monkeypatch, d, affine, ac
     """H = 1: the LayerNorm's statistics from the tile, the attention, the RMSNorm and both residuals in one Gluon
     launch (no per-token kernels), every output against the reference with test_flash_norm_attention.py's bounds
     (8 bf16 units; the statistics 16 fp32 units); lengths 0, 1, a partial tile, several items."""
-    from fusenorm_inductor.ops import flash_norm_attention_kernels as kern
+    from fusenorm_inductor.kernels.triton import flash_norm_attention as kern
     from fusenorm_inductor.ops.flash_norm_attention import flash_norm_attention_reference
     from tests.test_flash_norm_attention import _call, _close, _inputs
 

@@ -118,7 +118,7 @@ FALLBACKS = {
 
 @pytest.mark.parametrize("name", FALLBACKS)
 def test_fallbacks_are_correct_and_reported(name, gluon_calls):
-    from fusenorm_inductor.ops import tuning
+    from fusenorm_inductor.tuning import decide as tuning
 
     a = TARGET.randn_scaled(257, 200, BF16)
     b = TARGET.randn(128, 200, dtype=BF16).t()
@@ -151,7 +151,7 @@ def test_cached_plan_relaunches_on_new_and_reused_buffers(gluon_calls):
     from torch._inductor.select_algorithm import extern_kernels
 
     from fusenorm_inductor import graph_calls
-    from fusenorm_inductor.ops import measure
+    from fusenorm_inductor.tuning import measure
 
     graph_calls.install()
     measure.clear_memory()  # plans made by earlier tests are stale now

@@ -116,7 +116,7 @@ def test_active_only_where_graphs_call_directly():
 def test_decision_counts_the_cheaper_direct_call(monkeypatch):
     """The host cost the decision adds around a fused launch: the direct graph call's (wrapper, plan lookup,
     output checks) is below the dispatcher's round trip, and both are measured (not zero)."""
-    from fusenorm_inductor.ops import measure
+    from fusenorm_inductor.tuning import measure
 
     graph_calls.install()
     direct = measure._call_overhead_us()

@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from fusenorm_inductor.ops import _triton_common as common  # noqa: E402
-from fusenorm_inductor.ops import mm_norm_kernels as fk  # noqa: E402
+from fusenorm_inductor.kernels.triton import common  # noqa: E402
+from fusenorm_inductor.kernels.triton import mm_norm as fk  # noqa: E402
 
 from . import kernel_cases as kc  # noqa: E402  (imports the kernel modules)
 from .kernel_cases import BF16, BWD_CASES, EPS, F16, F32, FWD_CASES, NORMS, bwd_k, fwd_k  # noqa: E402

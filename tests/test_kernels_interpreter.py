@@ -29,14 +29,14 @@ pytest.importorskip("triton")
 
 # Modules imported earlier in the session (without the switch) hold compiled-mode kernels: reload them.
 for _name in (
-    "fusenorm_inductor.ops._triton_common",
-    "fusenorm_inductor.ops.mm_norm_kernels",
-    "fusenorm_inductor.ops.mm_norm_backward_kernels",
+    "fusenorm_inductor.kernels.triton.common",
+    "fusenorm_inductor.kernels.triton.mm_norm",
+    "fusenorm_inductor.kernels.triton.mm_norm_backward",
 ):
     if _name in sys.modules:
         importlib.reload(sys.modules[_name])
 
-from fusenorm_inductor.ops import _triton_common as common  # noqa: E402
+from fusenorm_inductor.kernels.triton import common  # noqa: E402
 
 from . import kernel_cases as kc  # noqa: E402  (imports the kernel modules)
 from .kernel_cases import EPS, F16, F32, FWD_CASES, NORMS, Recording, bwd_k, fwd_k  # noqa: E402

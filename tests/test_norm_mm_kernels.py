@@ -27,13 +27,13 @@ if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     # Triton reads the switch when a kernel is decorated: set it before the kernel modules are imported, and
     # reload any imported without it (conftest.py normally sets it first).
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("fusenorm_inductor.ops._triton_common", "fusenorm_inductor.ops.norm_mm_kernels"):
+    for _name in ("fusenorm_inductor.kernels.triton.common", "fusenorm_inductor.kernels.triton.norm_mm"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 pytest.importorskip("triton")
 
-from fusenorm_inductor.ops import _triton_common as common  # noqa: E402
-from fusenorm_inductor.ops import norm_mm_kernels as nk  # noqa: E402
+from fusenorm_inductor.kernels.triton import common  # noqa: E402
+from fusenorm_inductor.kernels.triton import norm_mm as nk  # noqa: E402
 
 from .kernel_cases import (  # noqa: E402
     BF16, EPS, F16, F32, NORMS, Recording, nan_alloc, parametrize_dtypes, unit_roundoff,

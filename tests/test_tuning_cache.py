@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from fusenorm_inductor import config
-from fusenorm_inductor.ops import measure, tuning
-from fusenorm_inductor.ops._triton_common import GemmConfig
+from fusenorm_inductor.tuning import decide as tuning, measure
+from fusenorm_inductor.kernels.triton.common import GemmConfig
 
 CUDA = torch.device("cuda")  # only a key and a branch here: nothing runs on it
 C0 = GemmConfig("row", 64, 64, 64, 3, 4)

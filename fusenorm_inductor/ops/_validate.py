@@ -49,7 +49,7 @@ def check_jagged_attention(op: str, q: Tensor, k: Tensor, v: Tensor, q_offsets: 
     """The inputs every jagged-attention op takes (gdpa, flash_norm_attention): q [T, H, D] (fp32/fp16/bf16),
     k and v [B, S, H, D] of q's dtype and device, int32 q_offsets [B + 1], max_seq_len_q a non-negative int,
     a known activation. Metadata only: the fake implementations run it too."""
-    from .activations import activation_code
+    from ..activations import activation_code
 
     check_tensor(op, "q", q, ndim=3)
     h, d = q.shape[1], q.shape[2]

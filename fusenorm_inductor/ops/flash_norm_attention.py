@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from ._validate import check_eps, check_jagged_attention, check_offsets_values, check_tensor
-from .activations import act_grad_reference, act_reference
+from ..activations import act_grad_reference, act_reference
 
 __all__ = [
     "flash_norm_attention",
@@ -302,7 +302,7 @@ def _(q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_eps,
     _check_all(*args)
     if check_offsets:
         _check_offsets(_OP, q_offsets, q.shape[0], max_seq_len_q)
-    from .flash_norm_attention_kernels import flash_norm_attention_triton
+    from ..kernels.triton.flash_norm_attention import flash_norm_attention_triton
 
     return flash_norm_attention_triton(*args)
 
@@ -386,7 +386,7 @@ def _(dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, l
     args = (dout, q, k, v, q_offsets, max_seq_len_q, ln_weight, ln_bias, rms_weight, ln_mean, ln_rstd, rms_rstd,
             rms_in, activation, scale)
     _check_bwd(*args)
-    from .flash_norm_attention_kernels import flash_norm_attention_backward_triton
+    from ..kernels.triton.flash_norm_attention import flash_norm_attention_backward_triton
 
     dq, dk, dv, *dws = flash_norm_attention_backward_triton(*args)
     return (dq, dk, dv) + _empty_if_none(dws, (q, q, q))

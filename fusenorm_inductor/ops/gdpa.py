@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from ._validate import check_jagged_attention, check_offsets_values, check_tensor
-from .activations import act_grad_reference, act_reference
+from ..activations import act_grad_reference, act_reference
 
 __all__ = ["gdpa", "gdpa_reference", "gdpa_backward", "gdpa_backward_reference", "VALIDATE_CUDA_OFFSETS"]
 
@@ -145,7 +145,7 @@ def _(q, k, v, q_offsets, max_seq_len_q, activation="fast_gelu", scale=1.0):
         _check(_OP, q, k, v, q_offsets, max_seq_len_q, activation, scale, values=True)
         return gdpa_reference(q, k, v, q_offsets, max_seq_len_q, activation, scale)
     _check(_OP, q, k, v, q_offsets, max_seq_len_q, activation, scale, values=VALIDATE_CUDA_OFFSETS)
-    from .gdpa_kernels import gdpa_fwd_triton
+    from ..kernels.triton.gdpa import gdpa_fwd_triton
 
     return gdpa_fwd_triton(q, k, v, q_offsets, max_seq_len_q, activation, scale)
 
@@ -188,7 +188,7 @@ def _(dout, q, k, v, q_offsets, max_seq_len_q, activation, scale):
         _check(_OP_BWD, q, k, v, q_offsets, max_seq_len_q, activation, scale, values=True)
         return gdpa_backward_reference(dout, q, k, v, q_offsets, max_seq_len_q, activation, scale)
     _check(_OP_BWD, q, k, v, q_offsets, max_seq_len_q, activation, scale, values=VALIDATE_CUDA_OFFSETS)
-    from .gdpa_kernels import gdpa_bwd_triton
+    from ..kernels.triton.gdpa import gdpa_bwd_triton
 
     return gdpa_bwd_triton(dout, q, k, v, q_offsets, max_seq_len_q, activation, scale)
 

@@ -104,7 +104,7 @@ def mm_norm(
 
 
 def _cuda(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype=None, save_normed=False):
-    from .mm_norm_kernels import mm_norm_cuda
+    from ..kernels.triton.mm_norm import mm_norm_cuda
 
     # Validated once per argument signature: the launcher caches its plan by what the checks read.
     return mm_norm_cuda(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed,

@@ -87,7 +87,7 @@ def mm_norm_backward(
 
 
 def _cuda(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype):
-    from .mm_norm_backward_kernels import mm_norm_backward_cuda
+    from ..kernels.triton.mm_norm_backward import mm_norm_backward_cuda
 
     # Validated once per argument signature: the launcher caches its plan by what the checks read.
     return mm_norm_backward_cuda(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype,

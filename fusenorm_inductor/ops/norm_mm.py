@@ -121,7 +121,7 @@ def norm_mm(
 
 
 def _cuda(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype=None):
-    from .norm_mm_kernels import norm_mm_cuda
+    from ..kernels.triton.norm_mm import norm_mm_cuda
 
     # Validated once per argument signature: the launcher caches its plan by what the checks read.
     return norm_mm_cuda(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype,
@@ -191,7 +191,7 @@ def _cuda_normed(x, a, mean, rstd, weight, norm_bias, is_rms):
     # y is rebuilt in a's dtype, the dtype the unfused graph saved it in, as a transient of this backward
     # op (never saved across the step), then cuBLAS. A kernel that normalizes A tiles on their way into
     # the MMA would save that round trip (issue 4, not yet).
-    from .norm_mm_kernels import normed_triton
+    from ..kernels.triton.norm_mm import normed_triton
 
     y = normed_triton(a, mean, rstd, weight, norm_bias, is_rms)
     return (x.to(a.dtype) @ y).to(x.dtype)

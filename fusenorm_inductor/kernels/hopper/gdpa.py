@@ -70,7 +70,7 @@ from ._compat import (
     warpgroup_mma_wait,
 )
 from .gemm_core import mma_layout
-from ...ops._triton_common import num_sms
+from ..triton.common import num_sms
 from .mm_norm import SpillError, _descriptor
 
 __all__ = ["Plan", "gdpa_fwd_gluon", "gdpa_bwd_gluon", "fna_attention_gluon", "fna_block_gluon", "unsupported", "misaligned",

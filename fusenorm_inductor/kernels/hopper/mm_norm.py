@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ...ops._triton_common import num_sms
+from ..triton.common import num_sms
 from . import launch as L
 from ._compat import (
     GLUON_ERROR,
@@ -398,7 +398,7 @@ def cluster_size(n: int, bn: int = MAX_TILE_N) -> Optional[int]:
 
 def _fit(kind: str, bm: int, bn: int, bk: int, stages: int, warps: int, staging: int):
     """The config with the most stages (down to 2) that fits shared memory; None when none does."""
-    from ...ops._triton_common import GemmConfig
+    from ..triton.common import GemmConfig
 
     for st in range(stages, 1, -1):
         if L.smem_bytes(bm, bn, bk, st, staging) <= L.SMEM_LIMIT:
@@ -689,7 +689,7 @@ def offline_variants() -> list[dict]:
 
 
 def compile_variant(v: dict):
-    from ...ops._triton_common import GemmConfig
+    from ..triton.common import GemmConfig
 
     return compile_offline(GemmConfig(*v["config"]), v["n"], 512, save_normed=v["save_normed"],
                            gemm_only=v["gemm_only"], b_kn=v["b_kn"], **OFFLINE_FLAGS[v["flags"]])

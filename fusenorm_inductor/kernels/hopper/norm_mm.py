@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ...ops._triton_common import num_sms
+from ..triton.common import num_sms
 from . import launch as L
 from ._compat import gl, gluon, tma
 from .epilogues import load_vector, stage_store, tile_index
@@ -239,6 +239,6 @@ def offline_variants() -> list[dict]:
 
 
 def compile_variant(v: dict):
-    from ...ops._triton_common import GemmConfig
+    from ..triton.common import GemmConfig
 
     return compile_offline(GemmConfig(*v["config"]), v["n"], v["k"], b_kn=v["b_kn"], **OFFLINE_FLAGS[v["flags"]])

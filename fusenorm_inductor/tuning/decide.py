@@ -50,7 +50,7 @@ def forward_choice(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dty
     """Whether ``mm_norm`` beats the unfused GEMM + norm on this shape, and with which configuration."""
 
     def measure_fn():
-        from . import mm_norm_kernels
+        from ..kernels.triton import mm_norm as mm_norm_kernels
 
         return mm_norm_kernels.measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype,
                                                save_normed)
@@ -58,7 +58,7 @@ def forward_choice(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dty
     key = measure.forward_key(a, b, bias, residual, weight, norm_bias, is_rms, out_dtype, save_normed)
     choice = _choice(key, a.device, measure_fn, lambda: _default_label(a))
     if a.device.type == "cuda" and not choice.config.startswith("gl_"):
-        from .mm_norm_kernels import gluon_unsupported
+        from ..kernels.triton.mm_norm import gluon_unsupported
 
         why = gluon_unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed)
         if why is not None:
@@ -70,7 +70,7 @@ def backward_choice(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed
     """Whether ``mm_norm_backward`` beats the unfused data-gradient GEMM + norm backward on this shape."""
 
     def measure_fn():
-        from . import mm_norm_backward_kernels
+        from ..kernels.triton import mm_norm_backward as mm_norm_backward_kernels
 
         return mm_norm_backward_kernels.measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms,
                                                          src_is_normed, has_bias, dx_dtype)
@@ -78,7 +78,7 @@ def backward_choice(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed
     key = measure.backward_key(dy, b, extra, src, weight, is_rms, src_is_normed, has_bias, dx_dtype)
     choice = _choice(key, dy.device, measure_fn, lambda: _default_label(dy))
     if dy.device.type == "cuda" and not choice.config.startswith("gl_"):
-        from .mm_norm_backward_kernels import gluon_unsupported
+        from ..kernels.triton.mm_norm_backward import gluon_unsupported
 
         why = gluon_unsupported(dy, b, extra, src, weight, mean, rstd, dx_dtype)
         if why is not None:
@@ -91,7 +91,7 @@ def prenorm_choice(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype) -> Cho
     the pattern compares the consumers' sum against one norm + their GEMMs), and with which configuration."""
 
     def measure_fn():
-        from . import norm_mm_kernels
+        from ..kernels.triton import norm_mm as norm_mm_kernels
 
         return norm_mm_kernels.measure_prenorm(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype)
 
@@ -166,3 +166,18 @@ def _choice(key, device, measure_fn: Callable[[], dict], default_label: Callable
     verdict = "fused" if fuse else "left unfused: fusion would not win"
     reason = f"{verdict} (measured {t_f:.4g} ms fused [{label}] vs {t_u:.4g} ms {what}{host})"
     return Choice(fuse, label, reason, t_f, t_u)
+
+
+def _describe(t: torch.Tensor, op: str) -> str:
+    if t.device.type != "cuda":
+        return f"fusenorm::{op} ({t.device.type}: plain-torch reference)"
+    return f"fusenorm::{op} (cuda: Triton)"
+
+
+def describe_mm_norm(a: torch.Tensor, n: int, is_rms: bool) -> str:
+    """The report's kernel column; the patterns append the tuned configuration and the measured times."""
+    return _describe(a, "mm_norm")
+
+
+def describe_mm_norm_backward(dy: torch.Tensor, n: int, is_rms: bool) -> str:
+    return _describe(dy, "mm_norm_backward")

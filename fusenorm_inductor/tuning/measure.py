@@ -102,13 +102,16 @@ def warn_once(what: tuple, msg: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _sources_hash() -> str:
-    here = Path(__file__).parent
+    """A hash of every Python file of the package (patterns included), found by walking it: a measurement
+    is only reused by the code that made it, and no list of files can forget a new one."""
+    package = Path(__file__).parent.parent
+    files = sorted(Path(d, f).relative_to(package).as_posix()
+                   for d, _, names in os.walk(package, followlinks=True)  # patterns/ is a symbolic link
+                   for f in names if f.endswith(".py"))
     h = hashlib.sha256()
-    kernels = ("_triton_common.py", "mm_norm_kernels.py", "mm_norm_backward_kernels.py", "norm_mm_kernels.py")
-    for name in (*kernels, "measure.py", "tuning.py"):
-        h.update((here / name).read_bytes())
-    for path in sorted((here.parent / "kernels").rglob("*.py")):  # the Gluon kernels
-        h.update(path.read_bytes())
+    for name in files:
+        h.update(name.encode())
+        h.update((package / name).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -567,7 +570,7 @@ def unfused_host_us(device: torch.device) -> Optional[float]:
 
 def config_of(entry: dict):
     """The entry's GemmConfig; ValueError (saying what is wrong) when its "config" does not make one."""
-    from ._triton_common import GemmConfig
+    from ..kernels.triton.common import GemmConfig
 
     cfg = entry.get("config")
     if not isinstance(cfg, (list, tuple)):

@@ -2,7 +2,8 @@
 
 Shared by ``fusenorm::gdpa`` and ``fusenorm::flash_norm_attention`` (docs/algorithms.md section 5). Each activation
 has a torch reference (fp32 math; the ops' CPU implementation and the tests' oracle) and a Triton version
-selected by a constexpr code, with its derivative for the backward (dS = act'(S) * dP):
+(kernels/triton/activations.py) selected by a constexpr code, with its derivative for the backward
+(dS = act'(S) * dP):
 
     name        act(x)                                              code
     fast_gelu   0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))   0   (the tanh form; the default)
@@ -64,49 +65,3 @@ def act_grad_reference(x: Tensor, name: str) -> Tensor:
     if name == "raw":
         return torch.ones_like(x)
     raise ValueError(f"unknown activation {name!r}; expected one of {', '.join(ACTIVATIONS)}")
-
-
-try:  # the Triton versions; the references above do not need Triton
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _tanh(x):
-        # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, no libdevice dependency.
-        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-    @triton.jit
-    def act_fwd(x, ACT: tl.constexpr):
-        """act(x) for an fp32 tile; ACT is ``activation_code``."""
-        if ACT == 0:
-            y = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x)))
-        elif ACT == 1:
-            y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-        elif ACT == 2:
-            y = x * tl.sigmoid(x)
-        elif ACT == 3:
-            y = tl.maximum(x, 0.0)
-        else:
-            y = x
-        return y
-
-    @triton.jit
-    def act_bwd(x, ACT: tl.constexpr):
-        """d act / dx for an fp32 tile."""
-        if ACT == 0:
-            t = _tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x))
-            d_inner = 0.7978845608028654 * (1.0 + 0.134145 * x * x)
-            g = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
-        elif ACT == 1:
-            g = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
-        elif ACT == 2:
-            s = tl.sigmoid(x)
-            g = s * (1.0 + x * (1.0 - s))
-        elif ACT == 3:
-            g = tl.where(x > 0.0, 1.0, 0.0)
-        else:
-            g = tl.full(x.shape, 1.0, tl.float32)
-        return g
-
-except ImportError:  # pragma: no cover - Triton is a dependency; the references work without it
-    pass

@@ -47,9 +47,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import config as settings  # "config" names the GemmConfig arguments here
-from . import baseline, measure
-from ._triton_common import (
+from ... import config as settings  # "config" names the GemmConfig arguments here
+from ...tuning import baseline, measure
+from .common import (
     FINALIZE_WARPS,
     TMA_MAX_BLOCK_N,
     GemmConfig,
@@ -519,11 +519,11 @@ def gluon_unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_n
         return "off (config.gluon / FUSENORM_GLUON)"
     if _FORCE_BLOCK_N is not None:
         return "test hook _FORCE_BLOCK_N set"
-    from ..kernels.hopper import _compat
+    from ..hopper import _compat
 
     if _compat.GLUON_ERROR is not None:  # the kernel module itself needs Gluon to import
         return f"this triton has no usable Gluon ({_compat.GLUON_ERROR})"
-    from ..kernels.hopper import mm_norm as hopper
+    from ..hopper import mm_norm as hopper
 
     return hopper.unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed)
 
@@ -535,7 +535,7 @@ def forward_candidates(a: Tensor, b: Tensor, n: int, out_bytes: int = 2, gluon_a
     ``gluon_args`` (bias, residual, weight, norm_bias, out_dtype, save_normed): when given and the Gluon
     kernels take these inputs, their configurations come first."""
     if gluon_args is not None and gluon_unsupported(a, b, *gluon_args) is None:
-        from ..kernels.hopper import mm_norm as hopper
+        from ..hopper import mm_norm as hopper
 
         gluon = hopper.candidates(a, b, gluon_args[-1])
         if gluon:
@@ -591,7 +591,7 @@ def mm_norm_triton(
     if config is None:
         config = forward_config(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed)
     if config.kind.startswith("gl_"):
-        from ..kernels.hopper.mm_norm import SpillError, mm_norm_gluon
+        from ..hopper.mm_norm import SpillError, mm_norm_gluon
 
         try:
             plan = mm_norm_gluon(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_normed, y, hh, mean,

@@ -65,9 +65,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import config as settings  # "config" names the GemmConfig arguments here
-from . import baseline, measure
-from ._triton_common import (
+from ... import config as settings  # "config" names the GemmConfig arguments here
+from ...tuning import baseline, measure
+from .common import (
     TMA_MAX_BLOCK_N,
     GemmConfig,
     dot_input_precision,
@@ -500,11 +500,11 @@ def gluon_unsupported(a: Tensor, b: Tensor, out_dtype) -> Optional[str]:
     """Why the Gluon sm_90 kernel (kernels/hopper/norm_mm.py) cannot take these inputs; None when it can."""
     if not settings.gluon:
         return "off (config.gluon / FUSENORM_GLUON)"
-    from ..kernels.hopper import _compat
+    from ..hopper import _compat
 
     if _compat.GLUON_ERROR is not None:  # the kernel module itself needs Gluon to import
         return f"this triton has no usable Gluon ({_compat.GLUON_ERROR})"
-    from ..kernels.hopper import norm_mm as hopper
+    from ..hopper import norm_mm as hopper
 
     return hopper.unsupported(a, b, out_dtype)
 
@@ -518,7 +518,7 @@ def prenorm_candidates(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> list[Gem
     ("tma_rows": statistics once per row block) comes first, the flattened walk ("tma": statistics per
     tile) after it."""
     if a.shape[0] and b.shape[1] and gluon_unsupported(a, b, out_dtype) is None:
-        from ..kernels.hopper import norm_mm as hopper
+        from ..hopper import norm_mm as hopper
 
         gluon = hopper.candidates(a, b)
         if gluon:
@@ -586,8 +586,8 @@ def norm_mm_triton(
     if config is None:
         config = prenorm_config(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype)
     if config.kind.startswith("gl_"):
-        from ..kernels.hopper.mm_norm import SpillError
-        from ..kernels.hopper.norm_mm import norm_mm_gluon
+        from ..hopper.mm_norm import SpillError
+        from ..hopper.norm_mm import norm_mm_gluon
 
         try:
             b_one, bias_one, colsum_one = fold_one_launch(b, bias, weight, norm_bias, is_rms)

@@ -46,9 +46,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import config as settings
-from ._triton_common import dot_input_precision, num_sms, pow2_at_least
-from .activations import act_bwd, act_fwd, activation_code
+from ... import config as settings
+from .common import dot_input_precision, num_sms, pow2_at_least
+from ...activations import activation_code
+from .activations import act_bwd, act_fwd
 
 __all__ = ["GdpaConfig", "fwd_config", "dq_config", "dkdv_config", "gdpa_fwd_triton", "gdpa_bwd_triton",
            "gluon_unsupported", "run_gluon"]
@@ -260,11 +261,11 @@ def gluon_unsupported(q: Tensor, k: Tensor) -> Optional[str]:
     """Why the sm_90 Gluon forward (kernels/hopper/gdpa.py) cannot take these inputs; None when it can."""
     if not settings.gluon:
         return "off (config.gluon / FUSENORM_GLUON)"
-    from ..kernels.hopper import _compat
+    from ..hopper import _compat
 
     if _compat.GLUON_ERROR is not None:  # the kernel module itself needs Gluon to import
         return f"this triton has no usable Gluon ({_compat.GLUON_ERROR})"
-    from ..kernels.hopper import gdpa as hopper
+    from ..hopper import gdpa as hopper
 
     return hopper.unsupported(q, k)
 
@@ -273,8 +274,8 @@ def run_gluon(key: tuple, tensors: tuple, launch: Callable[[], None]) -> bool:
     """Run ``launch()``, a launch of a Gluon kernel of kernels/hopper/gdpa.py whose inputs the caller has found
     supported, unless a tensor's storage address is one TMA cannot use or this signature (``key``) spilled
     before (its specialization is then never compiled again). False: the caller runs its Triton kernel."""
-    from ..kernels.hopper import gdpa as hopper
-    from ..kernels.hopper.mm_norm import SpillError
+    from ..hopper import gdpa as hopper
+    from ..hopper.mm_norm import SpillError
 
     if key in _GLUON_SPILLED or hopper.misaligned(*tensors) is not None:
         return False
@@ -290,7 +291,7 @@ def _gluon_forward(q, k, v, q_offsets, o, max_seq_len_q: int, activation: str, s
     """Run the Gluon forward into o where it takes the inputs; False where the Triton kernel must."""
     if gluon_unsupported(q, k) is not None:
         return False
-    from ..kernels.hopper import gdpa as hopper
+    from ..hopper import gdpa as hopper
 
     act = activation_code(activation, "fusenorm::gdpa")
     return run_gluon(("fwd", q.shape[1:], k.shape[1:], q.dtype, act), (q, k, v, o),
@@ -302,7 +303,7 @@ def _gluon_backward(dout, q, k, v, q_offsets, dq, dk, dv, max_seq_len_q: int, ac
     """Run the Gluon backward into (dq, dk, dv) where it is switched on and takes the inputs."""
     if not GLUON_BACKWARD or gluon_unsupported(q, k) is not None:
         return False
-    from ..kernels.hopper import gdpa as hopper
+    from ..hopper import gdpa as hopper
 
     if hopper.backward_unsupported(q, k) is not None:
         return False

@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from .kernel_choice import single_tile
 
 
 @triton.jit
@@ -126,6 +125,17 @@ def gemm_num_warps(block_m: int, block_n: int) -> int:
 def pow2_at_least(x: int, lo: int = 16) -> int:
     """The smallest power of two >= max(x, lo) (tl.dot and tl.arange need powers of two, >= 16 for dot)."""
     return max(lo, triton.next_power_of_2(max(1, x)))
+
+
+# Widest row one program of the pointer-load kernels normalizes in its epilogue (a 64 x 256 fp32 tile at 8
+# warps); wider rows take their multi-tile path (GEMM tiles write per-tile row statistics, a second kernel
+# normalizes). The TMA kernels have their own rules (mm_norm_kernels.forward_candidates).
+MAX_SINGLE_BLOCK_N = 256
+
+
+def single_tile(n: int) -> bool:
+    """Whether a row of width n fits one tile (its power-of-two padding is at most MAX_SINGLE_BLOCK_N)."""
+    return max(16, 1 << max(0, n - 1).bit_length()) <= MAX_SINGLE_BLOCK_N
 
 
 MULTI_BLOCK_N = 128  # N tile of the multi-tile path (128 x 128 tiles, the usual Hopper GEMM tile)
@@ -326,7 +336,7 @@ def gemm_config(
 ):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, single_tile) for the GEMM kernels: a heuristic, no autotune.
 
-    Single tile when the padded row fits one tile (kernel_choice.single_tile), else N tiles of MULTI_BLOCK_N.
+    Single tile when the padded row fits one tile (``single_tile``), else N tiles of MULTI_BLOCK_N.
     ``force_block_n`` (a test hook, a power of two >= 16) fixes the N tile: N > force_block_n goes multi-tile.
     """
     if force_block_n is not None:

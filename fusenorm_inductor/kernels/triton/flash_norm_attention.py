@@ -57,8 +57,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._triton_common import dot_input_precision, pow2_at_least
-from .activations import act_bwd, act_fwd, activation_code
+from .common import dot_input_precision, pow2_at_least
+from ...activations import activation_code
+from .activations import act_bwd, act_fwd
 
 __all__ = ["FnaConfig", "fna_config", "flash_norm_attention_triton", "flash_norm_attention_backward_triton"]
 
@@ -494,12 +495,12 @@ def _on_gluon(kind: str, q, k, v, weights: tuple, outs: tuple, activation: str, 
     """Run ``launch(hopper, act)``, a launch of kernels/hopper/gdpa.py, where the inputs suit the Gluon kernels
     (``gdpa_kernels.gluon_unsupported`` accepts q and k; q, k, v and the present weights contiguous) through
     ``gdpa_kernels.run_gluon``'s guard; False: the caller's Triton path runs."""
-    from .gdpa_kernels import gluon_unsupported, run_gluon
+    from .gdpa import gluon_unsupported, run_gluon
 
     present = [w for w in weights if w is not None]
     if gluon_unsupported(q, k) is not None or not all(x.is_contiguous() for x in (q, k, v, *present)):
         return False
-    from ..kernels.hopper import gdpa as hopper
+    from ..hopper import gdpa as hopper
 
     act = activation_code(activation, "fusenorm::flash_norm_attention")
     key = (kind, q.shape[1:], k.shape[1:], q.dtype, act, tuple(None if w is None else w.dtype for w in weights))

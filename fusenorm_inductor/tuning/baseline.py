@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .. import config
 from . import measure
-from .norm import norm_backward_reference
+from ..ops.norm import norm_backward_reference
 
 __all__ = ["compile_unfused", "dgrad_norm_fn", "in_baseline_compile", "post_norm_fn", "pre_norm_fn", "time_compiled",
            "unfused_where_it_counts", "worth_measuring"]

@@ -40,9 +40,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import config as settings  # "config" names the GemmConfig arguments here
-from . import baseline, measure, mm_norm_kernels
-from ._triton_common import (
+from ... import config as settings  # "config" names the GemmConfig arguments here
+from . import mm_norm as mm_norm_kernels
+from ...tuning import baseline, measure
+from .common import (
     FINALIZE_WARPS,
     TMA_MAX_BLOCK_N,
     GemmConfig,
@@ -432,11 +433,11 @@ def gluon_unsupported(dy, b, extra, src, weight, mean, rstd, dx_dtype) -> Option
         return "off (config.gluon / FUSENORM_GLUON)"
     if _FORCE_BLOCK_N is not None:
         return "test hook _FORCE_BLOCK_N set"
-    from ..kernels.hopper import _compat
+    from ..hopper import _compat
 
     if _compat.GLUON_ERROR is not None:  # the kernel module itself needs Gluon to import
         return f"this triton has no usable Gluon ({_compat.GLUON_ERROR})"
-    from ..kernels.hopper import mm_norm_backward as hopper
+    from ..hopper import mm_norm_backward as hopper
 
     return hopper.unsupported(dy, b, extra, src, weight, mean, rstd, dx_dtype)
 
@@ -447,7 +448,7 @@ def backward_candidates(dy: Tensor, b: Tensor, n: int, out_bytes: int = 2, gluon
     ``gluon_args`` (extra, src, weight, mean, rstd, dx_dtype): when given and the Gluon kernel takes these
     inputs, its configurations come first, then the ``tl`` kernels' best guess."""
     if gluon_args is not None and gluon_unsupported(dy, b, *gluon_args) is None:
-        from ..kernels.hopper import mm_norm_backward as hopper
+        from ..hopper import mm_norm_backward as hopper
 
         gluon = hopper.candidates(dy, b)
         if gluon:
@@ -511,8 +512,8 @@ def mm_norm_backward_triton(
     if config is None:
         config = backward_config(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype)
     if config.kind.startswith("gl_"):
-        from ..kernels.hopper.mm_norm import SpillError
-        from ..kernels.hopper.mm_norm_backward import BackwardPlan
+        from ..hopper.mm_norm import SpillError
+        from ..hopper.mm_norm_backward import BackwardPlan
 
         try:
             plan = BackwardPlan(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, config,
