@@ -34,9 +34,7 @@ The whole grid compiles two Inductor baselines per point and direction: on two G
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import sys
 import time
 
@@ -44,7 +42,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_gemm_norm as gn  # noqa: E402  (the harness: Bench, ceilings, JSON/PNG output, git commit)
+import bench_gemm_norm as gn  # noqa: E402  (its ceilings: the matmul rate and the copy bandwidth)
+import common  # noqa: E402  (the shared harness: Bench, environment, JSON/PNG output)
+from common import Bench  # noqa: E402
 
 DTYPE = torch.bfloat16
 LN_EPS, RMS_EPS = 1e-5, 1e-6
@@ -126,7 +126,7 @@ def dense_block(q, k, v, g1, b1, g2, mask):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _timed(bench: gn.Bench, direction: str, fn, inputs: list[torch.Tensor]) -> dict:
+def _timed(bench: Bench, direction: str, fn, inputs: list[torch.Tensor]) -> dict:
     """fn(*inputs) alone (no grad), or the backward alone of one forward (retain_graph) with respect to all
     inputs."""
     if direction == "fwd":
@@ -141,7 +141,7 @@ def _timed(bench: gn.Bench, direction: str, fn, inputs: list[torch.Tensor]) -> d
     return bench.measure(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True))
 
 
-def run_point(case: Case, direction: str, bench: gn.Bench, ceilings: dict, dense: bool) -> dict:
+def run_point(case: Case, direction: str, bench: Bench, ceilings: dict, dense: bool) -> dict:
     row = {"B": case.batch, "S": case.s_kv, "H": case.heads, "D": case.dim, "Lmax": case.lmax, "dir": direction,
            "T": case.total}
     off, lmax = case.offsets, case.lmax
@@ -218,7 +218,7 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def plot(data: dict, path: str) -> None:
-    plt = gn.pyplot()
+    plt = common.pyplot()
     if plt is None:
         return
     rows = data["rows"]
@@ -236,8 +236,7 @@ def plot(data: dict, path: str) -> None:
         ax.set_title(f"{d}: {data['meta'].get('gpu', '')}")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    common.save_figure(fig, path, dpi=120)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -288,11 +287,11 @@ def pairs(args) -> list[tuple[int, int]]:
 
 
 def merge_runs(paths: list[str], out: str) -> None:
-    data = gn.merge(paths, key=lambda r: (r["H"], r["Lmax"], r["dir"]))
+    data = common.merge(paths, key=lambda r: (r["H"], r["Lmax"], r["dir"]))
     data["summary"] = summarize(data["rows"])
-    gn.write_json(out, data)
+    common.write_json(out, data)
     print(data["summary"])
-    plot(data, gn.png_path(out))
+    plot(data, common.png_path(out))
 
 
 def main(argv=None) -> None:
@@ -303,8 +302,6 @@ def main(argv=None) -> None:
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --dry-run)")
-    import triton
-
     import fusenorm_inductor  # noqa: F401  (registers torch.ops.fusenorm.*)
     from fusenorm_inductor.ops import flash_norm_attention as fna
 
@@ -321,18 +318,12 @@ def main(argv=None) -> None:
         gdpa_kernels.GLUON_BACKWARD = False
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    bench = gn.Bench(args.timer, args.rep_ms, device)
+    bench = Bench(args.timer, args.rep_ms, device)
     ceilings = gn.measure_ceilings(bench, device, args.dry_run)
-    done = {}
-    if args.resume and os.path.exists(args.out):
-        import json
-
-        with open(args.out) as f:
-            done = {(r["H"], r["Lmax"], r["dir"]): r for r in json.load(f)["rows"]}
+    done = common.read_rows(args.out, lambda r: (r["H"], r["Lmax"], r["dir"])) if args.resume else {}
     meta = {
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or '?'})",
-        "torch": torch.__version__, "triton": triton.__version__, "date": datetime.datetime.now().isoformat(
-            timespec="seconds"), "commit": gn._git_commit(), "dtype": "bfloat16", "ceilings": ceilings,
+        **common.environment(device, python=False),  # gpu, torch, triton, date, commit
+        "dtype": "bfloat16", "ceilings": ceilings,
         "timer": "wall clock, CPU (dry run)" if device != "cuda" else f"{args.timer} median, ms",
         "offset_checks": "off (flash_norm_attention.CHECK_OFFSETS = False; gdpa does not check on CUDA)",
         "gluon_switches": {"GLUON_ATTENTION": flash_norm_attention_kernels.GLUON_ATTENTION,
@@ -355,14 +346,14 @@ def main(argv=None) -> None:
             r["point_s"] = time.time() - t0
             print(line(r), flush=True)
             rows.append(r)
-            gn.write_json(args.out, {"meta": meta, "rows": rows, "summary": summarize(rows)}, quiet=True)
+            common.write_json(args.out, {"meta": meta, "rows": rows, "summary": summarize(rows)}, quiet=True)
         case = None
         if device == "cuda":
             torch.cuda.empty_cache()
     data = {"meta": meta, "rows": rows, "summary": summarize(rows)}
-    gn.write_json(args.out, data)
+    common.write_json(args.out, data)
     print(data["summary"])
-    plot(data, gn.png_path(args.out))
+    plot(data, common.png_path(args.out))
 
 
 if __name__ == "__main__":

@@ -59,11 +59,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
-import math
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -76,6 +73,10 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (the shared harness: timers, rounds, peak memory, environment, JSON, PNG)
+from common import Bench, png_path, pyplot, write_json  # noqa: E402
 
 DTYPE = torch.bfloat16
 ELEM = 2  # bytes per bf16 element
@@ -314,64 +315,8 @@ def fused_bytes(p: Point, m: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Timing and memory
+# Ceilings (the timers, rounds and peak memory are common.py's: Bench, alternating)
 # ----------------------------------------------------------------------------------------------------------
-
-
-class Bench:
-    """Times callables with the chosen timer and reads their peak memory. On the CPU (--dry-run) it takes the
-    median wall-clock time of a few calls: it exercises the code, it measures nothing of interest."""
-
-    def __init__(self, timer: str, rep_ms: float, device: str, rounds: int = 1):
-        self.timer, self.rep_ms, self.cuda, self.rounds = timer, rep_ms, device == "cuda", rounds
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def time_ms(self, fn: Callable) -> tuple[float, str | None]:
-        """(median ms, note): the note says when the CUDA-graph timer failed and do_bench was used."""
-        if not self.cuda:
-            ts = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1e3)
-            return statistics.median(ts), None
-        from triton.testing import do_bench, do_bench_cudagraph
-
-        if self.timer == "cudagraph":
-            try:
-                # do_bench_cudagraph replays a graph of ~rep ms 10 times: rep/10 keeps a timing at ~rep_ms.
-                return do_bench_cudagraph(fn, rep=max(1.0, self.rep_ms / 10), return_mode="median"), None
-            except Exception as e:  # noqa: BLE001 (e.g. a call that cannot be captured: time it anyway, say so)
-                note = f"cudagraph failed ({type(e).__name__}: {str(e)[:120]}), timed with do_bench"
-                torch.cuda.synchronize()
-        else:
-            note = None
-        return do_bench(fn, warmup=max(1.0, self.rep_ms / 4), rep=self.rep_ms, return_mode="median"), note
-
-    def peak_mib(self, fn: Callable) -> float | None:
-        """Memory allocated by one call above what was allocated before it (its outputs included), MiB."""
-        if not self.cuda:
-            return None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        out = fn()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-        del out
-        return peak
-
-    def measure(self, fn: Callable) -> dict:
-        """{"ms", "peak_mib", "out", "note"}; the first call compiles / autotunes and its output is kept for
-        the numerics check."""
-        out = fn()
-        self.sync()
-        peak = self.peak_mib(fn)
-        ms, note = self.time_ms(fn)
-        return {"ms": ms, "peak_mib": peak, "out": out, "note": note}
 
 
 def measure_ceilings(bench: Bench, device: str, dry: bool) -> dict:
@@ -417,11 +362,15 @@ def dispatch(p: Point, op_args: tuple) -> dict:
 
 
 def ask_choice(name: str, op_args: tuple) -> dict:
-    """``ops.tuning.<name>(*op_args)`` (a function returning a ``Choice``) as row fields; "n/a" when the
-    module or the function does not exist (yet), the error recorded when it raises."""
+    """The decision function ``name`` of the op's tuning module (``forward_choice`` in tuning/mm_norm.py,
+    ``backward_choice`` in tuning/mm_norm_backward.py, ``prenorm_choice`` in tuning/norm_mm.py) on ``op_args``
+    as row fields; "n/a" when the module or the function does not exist, the error recorded when it raises."""
+    import importlib
+
+    module = {"forward_choice": "mm_norm", "backward_choice": "mm_norm_backward", "prenorm_choice": "norm_mm"}
     try:
-        from fusenorm_inductor.tuning import decide as tuning
-    except Exception as e:  # noqa: BLE001 (a module being written may not import yet)
+        tuning = importlib.import_module(f"fusenorm_inductor.tuning.{module.get(name, 'decide')}")
+    except Exception as e:  # noqa: BLE001
         return {"path": "n/a", "fuse": None, "dispatch_error": f"import: {type(e).__name__}: {e}"}
     choose = getattr(tuning, name, None)
     if choose is None:
@@ -514,10 +463,11 @@ def candidate_times(op_args: tuple, bench: Bench) -> dict:
     """Every configuration the backward's dispatch would time, each timed once here (label -> ms, or why it
     did not run: a specialization that spills is refused)."""
     from fusenorm_inductor.kernels.triton import mm_norm_backward as bk
+    from fusenorm_inductor.tuning import mm_norm_backward as bk_tuning
 
     dy, b, extra, src, weight, mean, rstd, _, _, _, dx_dtype = op_args
     out = {}
-    for cfg in bk.backward_candidates(dy, b, b.shape[1], 2, (extra, src, weight, mean, rstd, dx_dtype)):
+    for cfg in bk_tuning.backward_candidates(dy, b, b.shape[1], 2, (extra, src, weight, mean, rstd, dx_dtype)):
         try:
             out[cfg.label()] = bench.time_ms(lambda c=cfg: bk.mm_norm_backward_triton(*op_args, config=c))[0]
         except Exception as e:  # noqa: BLE001 (refused: spills, or a schedule that cannot run)
@@ -531,10 +481,8 @@ def alternate_rounds(bench: Bench, fns: dict, row: dict) -> None:
     them alike; each t_*_ms becomes the median over the rounds, the rounds kept as rounds_*."""
     if bench.rounds <= 1:
         return
-    times = {k: [row[f"t_{k}_ms"]] for k in fns}
-    for _ in range(bench.rounds - 1):
-        for k, fn in fns.items():
-            times[k].append(bench.time_ms(fn)[0])
+    more = common.alternating(fns, bench.ms, bench.rounds - 1)
+    times = {k: [row[f"t_{k}_ms"], *more[k]] for k in fns}
     for k, ts in times.items():
         row[f"t_{k}_ms"] = statistics.median(ts)
         row[f"rounds_{k}_ms"] = ts
@@ -557,11 +505,7 @@ def core_alone(p: Point, case: Case, bench: Bench, shared: dict) -> dict:
         fns = {"cublas": lambda: torch.mm(a, b)}
         for cfg in hopper.plain_candidates(p.N, p.K):
             fns[cfg.label()] = plain_core(a, b, cfg)
-        times: dict = {k: [] for k in fns}
-        for _ in range(max(bench.rounds, 1)):
-            for k, fn in fns.items():
-                times[k].append(bench.time_ms(fn)[0])
-        med = {k: statistics.median(v) for k, v in times.items()}
+        med = common.medians(common.alternating(fns, bench.ms, max(bench.rounds, 1)))
         best = min((k for k in med if k != "cublas"), key=med.get)
         shared[key] = {"t_mm_core_ms": med["cublas"], "t_core_ms": med[best], "core_config": best,
                        "core_configs_ms": {k: v for k, v in med.items() if k != "cublas"}}
@@ -573,30 +517,18 @@ def gemm_base(p: Point, op_args: tuple) -> tuple[Callable, str]:
     compare with cuBLAS (t_base / t_mm)."""
     from fusenorm_inductor.kernels.triton import mm_norm_backward as bk
     from fusenorm_inductor.kernels.triton import mm_norm as fk
+    from fusenorm_inductor.tuning import mm_norm as fk_tuning
+    from fusenorm_inductor.tuning import mm_norm_backward as bk_tuning
 
     if p.dir == "fwd":
-        cfg = fk.forward_config(*op_args)
+        cfg = fk_tuning.forward_config(*op_args)
         return (lambda: fk.mm_norm_triton(*op_args, config=cfg, gemm_only=True)), cfg.label()
-    cfg = bk.backward_config(*op_args)
+    cfg = bk_tuning.backward_config(*op_args)
     if cfg.kind.startswith("gl_"):
         # the Gluon backward has no plain epilogue of its own: the core with the forward's plain one, the same
         # tile configuration and schedule, on the data-gradient operands (dz @ W2, W2 row-major)
         return plain_core(op_args[0], op_args[1], cfg), cfg.label()
     return (lambda: bk.mm_norm_backward_triton(*op_args, config=cfg, gemm_only=True)), cfg.label()
-
-
-def probe_args(doc: str) -> argparse.Namespace:
-    """The command line of the kernel probes (probe_bwd_epilogue.py, probe_norm_mm_gluon.py): one point (K, N,
-    norm), one configuration by its label, M rows, iterations for a profiler, or ``--time``."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    p.add_argument("--K", type=int, required=True)
-    p.add_argument("--N", type=int, required=True)
-    p.add_argument("--norm", choices=["layer", "rms"], required=True)
-    p.add_argument("--config", required=True)
-    p.add_argument("--rows", type=int, default=262144)
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--time", action="store_true")
-    return p.parse_args()
 
 
 def plain_core(a: torch.Tensor, b: torch.Tensor, cfg) -> Callable:
@@ -758,44 +690,6 @@ def print_summary(summary: list[dict], min_share: float) -> None:
               f"{_fmt(s.get('median_core_throughput'), '.3f', 5)} {_fmt(s.get('min_core_throughput'), '.3f', 5)}")
 
 
-def _rounded(x):
-    """JSON-friendly: 6 significant digits, no NaN/inf (JSON has none)."""
-    if isinstance(x, float):
-        return float(f"{x:.6g}") if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _rounded(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_rounded(v) for v in x]
-    return x
-
-
-def write_json(path: str, data: dict, quiet: bool = False) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(_rounded(data), f, indent=1)
-    os.replace(tmp, path)  # a run killed while writing leaves the previous file whole
-    if not quiet:
-        print(f"wrote {path}")
-
-
-def png_path(json_path: str) -> str:
-    return os.path.splitext(json_path)[0] + ".png"
-
-
-def pyplot():
-    """matplotlib.pyplot on the Agg backend, or None (and a note) where matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: matplotlib is not installed: no PNG (install it, then rerun with --plot-only JSON)")
-        return None
-    return plt
-
-
 def hidden_panel(ax, cells: dict, ks: list, ns: list, min_share: float, cmap):
     """One heat map of % hidden over K (rows) x N (columns): cells {(K, N): row} with "hidden", "fuse" and
     "norm_share" (``complete`` rows); "u" marks fuse False, hatching norm_share < min_share. Returns the image."""
@@ -859,9 +753,7 @@ def plot(data: dict, path: str, min_share: float) -> None:
                  f"u: fusenorm's dispatch runs it unfused (0% for users); hatched: norm < {100 * min_share:.0f}% "
                  "of t_unfused; grey: not measured", fontsize=9)
     fig.colorbar(im, ax=axes, shrink=0.8, label="% hidden")
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    print(f"wrote {path}")
+    common.save_figure(fig, path, dpi=130)
 
 
 def report(data: dict, json_path: str, min_share: float, write: bool = True, table: bool = True) -> None:
@@ -880,38 +772,18 @@ def report(data: dict, json_path: str, min_share: float, write: bool = True, tab
 
 
 def merge(paths: list[str], key: Callable[[dict], tuple] | None = None) -> dict:
-    """Rows of partial runs concatenated (a point, ``key(row)``, default ``point_key``, measured twice: the
-    later file wins), meta from the first."""
-    key = key or point_key
-    datas = []
-    for path in paths:
-        with open(path) as f:
-            datas.append(json.load(f))
-    rows: dict[tuple, dict] = {}
-    dups = 0
-    for data in datas:
-        for r in data["rows"]:
-            k = key(r)
-            dups += k in rows
-            rows[k] = r
-    if dups:
-        print(f"note: {dups} points are in several files; the last file's rows were kept")
-    # --core-only rows (dir "core"): their core timings go to the forward points of the same M, K, N that have none
-    cores = {(r["M"], r["K"], r["N"]): r for r in rows.values() if r.get("dir") == "core"}
-    for k in [k for k, r in rows.items() if r.get("dir") == "core"]:
-        del rows[k]
-    for r in rows.values() if cores else ():
+    """``common.merge`` of partial runs (rows by ``key(row)``, default ``point_key``; the later file wins), and the
+    --core-only rows (dir "core") attached to the forward points of the same M, K, N that have no core timings."""
+    data = common.merge(paths, key or point_key)
+    rows = data["rows"]
+    cores = {(r["M"], r["K"], r["N"]): r for r in rows if r.get("dir") == "core"}
+    rows = [r for r in rows if r.get("dir") != "core"]
+    for r in rows if cores else ():
         c = cores.get((r["M"], r["K"], r["N"]))
         if c is not None and "t_core_ms" in c and r["dir"] == "fwd" and "t_core_ms" not in r:
             r.update({f: c[f] for f in CORE_FIELDS})
             r["core_throughput"] = c["t_mm_core_ms"] / c["t_core_ms"]
-    meta = dict(datas[0]["meta"])
-    meta.pop("partial", None)
-    # a file that is itself a merge contributes its own sources
-    meta["merged_from"] = [src for p, d in zip(paths, datas) for src in d["meta"].get("merged_from") or
-                           [{"file": p, "date": d["meta"].get("date"), "commit": d["meta"].get("commit"),
-                             "ceilings": d["meta"].get("ceilings")}]]
-    return {"meta": meta, "rows": list(rows.values())}
+    return {"meta": data["meta"], "rows": rows}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1016,17 +888,20 @@ def warm_fused_kernels(p: Point, m: int, device: str) -> None:
     on-disk cache holds their binaries before the main process tunes and times them."""
     from fusenorm_inductor.kernels.triton import mm_norm_backward as bk
     from fusenorm_inductor.kernels.triton import mm_norm as fk
+    from fusenorm_inductor.tuning import mm_norm as fk_tuning
+    from fusenorm_inductor.tuning import mm_norm_backward as bk_tuning
 
     try:
         with torch.no_grad():
             case = Case(p, m, device)
             _, args = fused_op_args(p, case)
             if p.dir == "fwd":
-                out_bytes = fk.forward_out_bytes(args[0], args[3], args[8], args[9])
-                launch, cands = fk.mm_norm_triton, fk.forward_candidates(args[0], args[1], p.N, out_bytes)
+                out_bytes = fk_tuning.forward_out_bytes(args[0], args[3], args[8], args[9])
+                launch, cands = fk.mm_norm_triton, fk_tuning.forward_candidates(args[0], args[1], p.N, out_bytes)
             else:
                 out_bytes = 4 if args[10] == torch.float32 else 2
-                launch, cands = bk.mm_norm_backward_triton, bk.backward_candidates(args[0], args[1], p.N, out_bytes)
+                launch = bk.mm_norm_backward_triton
+                cands = bk_tuning.backward_candidates(args[0], args[1], p.N, out_bytes)
             for c in cands:
                 for gemm_only in (False, True):
                     try:
@@ -1044,30 +919,11 @@ def warm_fused_kernels(p: Point, m: int, device: str) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _git_commit() -> str | None:
-    """HEAD of the checkout (+dirty with local changes), None where git is missing."""
-    def git(*cmd):
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", *cmd], cwd=here, capture_output=True, text=True, timeout=10, check=True)
-
-    try:
-        return git("rev-parse", "HEAD").stdout.strip() + ("+dirty" if git("status", "--porcelain").stdout else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def meta_block(args, device: str, ceilings: dict) -> dict:
-    import triton
-
     timer = ("wall clock, CPU (dry run: meaningless)" if device != "cuda" else
              f"triton.testing.{'do_bench_cudagraph' if args.timer == 'cudagraph' else 'do_bench'} median, ms")
     return {
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or '?'})",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "commit": _git_commit(),
+        **common.environment(device),  # gpu, torch, triton, python, date, commit
         "dtype": "bfloat16",
         "timer": timer,
         "timer_kind": args.timer if device == "cuda" else "cpu",
@@ -1142,22 +998,14 @@ def parse_args(argv=None):
     args.rows = args.rows if args.rows is not None else defaults["rows"]
     args.K = [int(x) for x in (args.K or defaults["K"]).split(",")]
     args.N = [int(x) for x in (args.N or defaults["N"]).split(",")]
-    args.norms = _choices(p, "--norms", args.norms, ("layer", "rms"))
-    args.dirs = _choices(p, "--dirs", args.dirs, ("fwd", "bwd"))
-    args.affine = [a == "on" for a in _choices(p, "--affine", args.affine, ("off", "on"))]
+    args.norms = common.choices(p, "--norms", args.norms, ("layer", "rms"))
+    args.dirs = common.choices(p, "--dirs", args.dirs, ("fwd", "bwd"))
+    args.affine = [a == "on" for a in common.choices(p, "--affine", args.affine, ("off", "on"))]
     if args.precompile_workers is None:
         args.precompile_workers = 2 if args.dry_run else 12
     if args.out is None and not args.plot_only:
         args.out = os.path.join(tempfile.gettempdir(), "gemm_norm_dry_run.json") if args.dry_run else DEFAULT_OUT
     return args
-
-
-def _choices(p, flag: str, value: str, allowed: tuple) -> list[str]:
-    items = [x.strip() for x in value.split(",") if x.strip()]
-    bad = [x for x in items if x not in allowed]
-    if bad or not items:
-        p.error(f"{flag}: {bad or value!r} not in {allowed}")
-    return items
 
 
 def run(args, device: str) -> dict:
@@ -1220,10 +1068,7 @@ def point_key(r: dict) -> tuple:
 
 def done_rows(args) -> dict[tuple, dict]:
     """With --resume: the complete rows already in --out (a partial or earlier run), by point."""
-    if not args.resume or not os.path.exists(args.out):
-        return {}
-    with open(args.out) as f:
-        return {point_key(r): r for r in json.load(f)["rows"] if complete(r)}
+    return common.read_rows(args.out, point_key, complete) if args.resume else {}
 
 
 def todo_points(args, done: dict) -> list[Point]:

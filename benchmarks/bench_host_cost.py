@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
 import io
 import json
-import platform
+import os
 import pstats
-import statistics
-import time
+import sys
 
 import torch
 import torch.nn as nn
@@ -38,48 +36,23 @@ import torch.nn as nn
 import fusenorm_inductor  # noqa: F401  (registers the ops and the backend)
 from fusenorm_inductor import config
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (the shared harness: host and step timers, alternating rounds, environment, JSON)
+
 
 def wall_us_per_call(fns: dict, calls: int = 1000, rounds: int = 9) -> dict:
     """Per function, the median over rounds of the wall time per call of a loop of ``calls`` calls
-    (synchronized at the ends); the functions take turns within each round, so a drift of the host's speed
-    (it moved the same call by up to 1.6x between runs) touches them all alike."""
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    out = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-            out[name].append((time.perf_counter() - t0) / calls * 1e6)
-    return {name: statistics.median(v) for name, v in out.items()}
-
-
-def step_ms(fn, steps: int = 30) -> float:
-    """Time per step of ``steps`` back-to-back steps (CUDA events; no sync inside: the host cost counts when
-    the GPU waits for it)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
+    (``common.host_us``: synchronized at the ends) after one untimed call each; the functions take turns within
+    each round, so a drift of the host's speed (it moved the same call by up to 1.6x between runs) touches them
+    all alike."""
+    return common.medians(common.alternating(fns, lambda fn: common.host_us(fn, calls), rounds, warmup=1))
 
 
 def alternating(fns: dict, rounds: int = 7, steps: int = 30) -> dict:
-    """Median step time of each function, timed in alternating rounds."""
-    for f in fns.values():
-        for _ in range(3):
-            f()
-    torch.cuda.synchronize()
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
-            times[k].append(step_ms(f, steps))
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median step time of each function (``common.events_ms`` over ``steps`` back-to-back steps: CUDA events, no
+    sync inside, so the host cost counts when the GPU waits for it), timed in alternating rounds after 3 untimed
+    steps each."""
+    return common.medians(common.alternating(fns, lambda f: common.events_ms(f, steps), rounds, warmup=3))
 
 
 # ---- ops ------------------------------------------------------------------------------------------------------
@@ -295,10 +268,7 @@ def main(argv=None) -> dict:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    import triton
-
-    data = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                     "python": platform.python_version(), "date": datetime.date.today().isoformat()}}
+    data = {"meta": common.environment(commit=False, date="day")}  # gpu, torch, triton, python, date
     parts = args.parts.split(",")
     if "ops" in parts:
         data["ops"] = part_ops()
@@ -308,8 +278,7 @@ def main(argv=None) -> dict:
     if "steps" in parts:
         data["steps"] = part_steps(args.layers)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(data, f, indent=1)
+        common.write_json(args.out, data, quiet=True, rounded=False)
     return data
 
 

@@ -63,10 +63,8 @@ measures only the missing ones.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
+import statistics
 import sys
 import time
 
@@ -77,7 +75,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import _common  # noqa: E402  (examples/_common.py: training loop, plots)
-import bench_gemm_norm as gn  # noqa: E402  (the harness: JSON, PNG path, git commit, torch setup)
+import bench_gemm_norm as gn  # noqa: E402  (its torch setup: fusenorm registered, not enabled globally)
+import common  # noqa: E402  (the shared harness: rotating rounds, per-round ratios, environment, JSON, PNG)
 import train_hf  # noqa: E402
 import train_mlp  # noqa: E402
 import train_pffn  # noqa: E402
@@ -184,8 +183,6 @@ def infer_row(name: str, kind: str, config: dict, make_model, batches, forward, 
     its norms, each compiled and warmed up, then ``--timed`` rounds of one forward each in rotating order (as
     ``paired_steps``): per backend the median forward time, the peak memory of a forward, the first call's
     time (compilation included); speedup and the A/A ratio as medians of per-round ratios."""
-    import statistics
-
     import fusenorm_inductor
 
     make_no_norm = make_no_norm or (lambda: strip_norms(make_model()))
@@ -208,28 +205,25 @@ def infer_row(name: str, kind: str, config: dict, make_model, batches, forward, 
             for b in makers:
                 forward(models[b], batches[i % len(batches)])
         for b in makers:
+            with common.PeakMemory(relative=False) as pm:  # the whole allocation at the peak: weights included
+                forward(models[b], batches[0])
             if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            forward(models[b], batches[0])
-            if cuda:
-                torch.cuda.synchronize()
-                peak[b] = torch.cuda.max_memory_allocated() / 2**20
-        walls = rotating_rounds(tuple(makers), lambda b, i: forward(models[b], batches[i % len(batches)]),
-                                args.timed, cuda)
+                peak[b] = pm.mib
+        walls = common.event_rounds(tuple(makers), lambda b, i: forward(models[b], batches[i % len(batches)]),
+                                    args.timed, cuda)
     reports = [r for r in fusenorm_inductor.reports() if id(r) not in seen]
     del models
     torch._dynamo.reset()
     if cuda:
         torch.cuda.empty_cache()
-    t = {b: statistics.median(v) for b, v in walls.items()}
-    aa = statistics.median(x / y for x, y in zip(walls["inductor"], walls["inductor_aa"]))
+    t = common.medians(walls)
+    aa = common.ratio_median(walls, "inductor", "inductor_aa")
     t_fn, t_ind, t_nn = t["fusenorm"], t["inductor"], t["no_norm"]
     row = {
         "name": f"{name}_infer", "model": kind, "mode": "infer", "config": config,
         "dtype": str(dtype).replace("torch.", ""), "timed": args.timed,
         "t_fusenorm_ms": t_fn, "t_inductor_ms": t_ind, "t_inductor_aa_ms": t["inductor_aa"], "t_no_norm_ms": t_nn,
-        "speedup": statistics.median(x / y for x, y in zip(walls["inductor"], walls["fusenorm"])),
+        "speedup": common.ratio_median(walls, "inductor", "fusenorm"),
         "aa_noise": abs(1.0 - aa), "aa_ratio": aa,
         "norm_share": (t_ind - t_nn) / t_ind if t_ind > 0 else None,
         "share_recovered": (t_ind - t_fn) / (t_ind - t_nn) if t_ind - t_nn > 0 else None,
@@ -246,30 +240,6 @@ def infer_row(name: str, kind: str, config: dict, make_model, batches, forward, 
 PAIRED = ("fusenorm", "inductor", "inductor_aa")
 
 
-def rotating_rounds(names: tuple, run, rounds: int, cuda: bool) -> dict:
-    """``rounds`` rounds of ``run(name, i)`` for each name, the order rotating by one per round (a drift of clock
-    or temperature hits every name alike); per name its times in ms: CUDA events around each call (no host sync
-    inside the loop), wall clock on the CPU."""
-    walls = {b: [] for b in names}
-    events = {b: [] for b in names}
-    for i in range(rounds):
-        for b in names[i % len(names):] + names[: i % len(names)]:
-            t0 = time.perf_counter()
-            if cuda:
-                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                ev[0].record()
-            run(b, i)
-            if cuda:
-                ev[1].record()
-                events[b].append(ev)
-            else:
-                walls[b].append((time.perf_counter() - t0) * 1e3)
-    if cuda:
-        torch.cuda.synchronize()
-        walls = {b: [a.elapsed_time(e) for a, e in evs] for b, evs in events.items()}
-    return walls
-
-
 def paired_steps(row: dict, make_model, batches, loss_fn, lr: float, args, device: str, dtype: torch.dtype) -> None:
     """Step time measured in pairs: three copies of the model (fusenorm, Inductor, Inductor again for A/A),
     each compiled and warmed up, then ``--timed`` rounds of one training step of each, in rotating order, so
@@ -279,8 +249,6 @@ def paired_steps(row: dict, make_model, batches, loss_fn, lr: float, args, devic
     programs land. ``not_slower_paired``: speedup_paired is no further below 1 than the A/A ratio strays."""
     if args.no_paired:
         return
-    import statistics
-
     torch._dynamo.reset()
     runs = {}
     for backend in PAIRED:
@@ -297,10 +265,10 @@ def paired_steps(row: dict, make_model, batches, loss_fn, lr: float, args, devic
             for backend in PAIRED:
                 step(backend, i)
     cuda = device == "cuda"
-    walls = rotating_rounds(PAIRED, step, args.timed, cuda)
-    speed = statistics.median(i / f for i, f in zip(walls["inductor"], walls["fusenorm"]))
-    aa = statistics.median(i / j for i, j in zip(walls["inductor"], walls["inductor_aa"]))
-    row.update(t_paired_ms={b: statistics.median(v) for b, v in walls.items()}, speedup_paired=speed,
+    walls = common.event_rounds(PAIRED, step, args.timed, cuda)
+    speed = common.ratio_median(walls, "inductor", "fusenorm")
+    aa = common.ratio_median(walls, "inductor", "inductor_aa")
+    row.update(t_paired_ms=common.medians(walls), speedup_paired=speed,
                aa_paired=aa, not_slower_paired=bool(speed >= min(aa, 1 / aa)))
     row["step_ms"].update({f"{b} (paired)": v for b, v in walls.items()})
     del runs
@@ -360,7 +328,7 @@ def retime_reversed(row: dict, make_model, batches, loss_fn, lr: float, args, de
     first_fn = again["fusenorm"]["first_step_s"]
     first_ind = (again["inductor"]["first_step_s"] + again["inductor_aa"]["first_step_s"]) / 2
     row.update(t_inductor_aa_ms=again["inductor_aa"]["median_ms"], aa_inductor=aa,
-               noise=max(ind_runs) / min(ind_runs) - 1.0 if min(ind_runs) > 0 else None,
+               noise=common.spread(ind_runs),
                first_step_warm_s={"fusenorm": first_fn, "inductor": first_ind,
                                   "inductor_aa": again["inductor_aa"]["first_step_s"]},
                first_step_ratio=first_fn / first_ind if first_ind > 0 else None, first_step_measure_s=spent,
@@ -535,7 +503,7 @@ def print_table(rows: list[dict]) -> None:
 
 def plot(data: dict, path: str) -> None:
     """One row per model: loss curves of both backends, step times (no-norm median as a dashed line)."""
-    plt = gn.pyplot()
+    plt = common.pyplot()
     rows = [r for r in data["rows"] if "losses" in r]
     if plt is None or not rows:
         return
@@ -553,15 +521,13 @@ def plot(data: dict, path: str) -> None:
     fig.suptitle(f"fusenorm vs Inductor, training steps: {m.get('gpu')}, torch {m.get('torch')}, {m.get('date')}",
                  fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    common.save_figure(fig, path, dpi=110)
 
 
 def plot_losses(data: dict, out: str) -> None:
     """One PNG per trained model beside ``out``: fusenorm's and Inductor's loss curves from the same seed, and
     their largest relative difference."""
-    plt = gn.pyplot()
+    plt = common.pyplot()
     if plt is None:
         return
     root = os.path.splitext(out)[0]
@@ -578,19 +544,14 @@ def plot_losses(data: dict, out: str) -> None:
         ax.legend(fontsize=7)
         fig.tight_layout()
         path = f"{root}_loss_{r['name']}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        print(f"wrote {path}")
+        common.save_figure(fig, path, dpi=100)
 
 
 def meta_block(args, device: str, tuning: dict) -> dict:
-    import triton
-
+    env = common.environment(device)
     return {
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or '?'})",
-        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-        "transformers": _transformers_version(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": gn._git_commit(),
+        "gpu": env["gpu"], "torch": env["torch"], "triton": env["triton"], "python": env["python"],
+        "transformers": _transformers_version(), "date": env["date"], "commit": env["commit"],
         "device": device, "dtype": str(args.dtype).replace("torch.", ""),
         "steps": args.steps, "timed": args.timed, "timing_only_steps": 1 + args.extra_warmup + args.timed,
         "batches": args.batches, "dry_run": args.dry_run, "backends": list(args.backends), "lr": LR,
@@ -689,14 +650,14 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.merge:
-        data = gn.merge(args.merge, key=lambda r: (r["name"],))
+        data = common.merge(args.merge, key=lambda r: (r["name"],))
         for row in data["rows"]:  # judged again: the rule may be newer than a partial run's
             if "error" not in row and "skipped" not in row:
                 paired_share(row)
                 judge(row)
-        gn.write_json(args.out, data)
+        common.write_json(args.out, data)
         print_table(data["rows"])
-        plot(data, gn.png_path(args.out))
+        plot(data, common.png_path(args.out))
         return data
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -711,9 +672,8 @@ def main(argv=None) -> dict:
     tuning = gn.setup_torch()  # fusenorm registered and not enabled globally (the baseline is plain Inductor)
     meta = meta_block(args, device, tuning)
     done = {}
-    if args.resume and os.path.exists(args.out):
-        with open(args.out) as f:
-            done = {r["name"]: r for r in json.load(f)["rows"] if "error" not in r and "skipped" not in r}
+    if args.resume:  # the rows already in --out; failed and skipped ones are measured again
+        done = common.read_rows(args.out, lambda r: r["name"], lambda r: "error" not in r and "skipped" not in r)
     rows = list(done.values())
     t_start = time.time()
     have_hf = train_hf.have_transformers()
@@ -746,12 +706,12 @@ def main(argv=None) -> dict:
             if "report" in row:
                 log(f"{row['name']}: " + format_summary(row["report"]))
         log(f"   {name}: {time.time() - t0:.0f} s")
-        gn.write_json(args.out, {"meta": {**meta, "partial": True}, "rows": rows}, quiet=True)
+        common.write_json(args.out, {"meta": {**meta, "partial": True}, "rows": rows}, quiet=True)
     meta["wall_s"] = time.time() - t_start
     data = {"meta": meta, "rows": rows}
-    gn.write_json(args.out, data)
+    common.write_json(args.out, data)
     print_table([r for r in rows if "skipped" not in r])
-    plot(data, gn.png_path(args.out))
+    plot(data, common.png_path(args.out))
     plot_losses(data, args.out)
     print(f"total wall time {meta['wall_s']:.0f} s")
     return data

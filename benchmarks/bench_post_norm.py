@@ -15,13 +15,15 @@ GEMM alone for scale.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
+import sys
 
 import torch
 import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (the shared harness: timers, peak memory, environment, JSON)
 
 SHAPES = [(256, 256), (512, 512), (1024, 1024)]
 CASES = ["fwd", "fwdbwd", "fwdbwd_next"]
@@ -39,23 +41,19 @@ class PostNorm(nn.Module):
         return self.out(y) if self.out is not None else y
 
 
+AA = False  # also time a second, independent Inductor compile (--aa)
 TIMER = "events"  # or "cudagraph": replay a captured CUDA graph, which leaves out the CPU's launch overhead
 
 
-def measure(fn, reset_peak=True):
-    from triton.testing import do_bench, do_bench_cudagraph
-
+def measure(fn):
+    """(median ms, peak MiB above what was allocated before the timed calls) of ``fn``, after one untimed call."""
     fn()  # compile / warm up
-    torch.cuda.synchronize()
-    if reset_peak:
-        torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    if TIMER == "cudagraph":
-        ms = do_bench_cudagraph(fn, rep=300, return_mode="median")
-    else:
-        ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return ms, peak
+    with common.PeakMemory() as pm:
+        if TIMER == "cudagraph":
+            ms = common.cudagraph_ms(fn, rep=300)
+        else:
+            ms = common.do_bench_ms(fn, rep=300, warmup=50)
+    return ms, pm.mib
 
 
 def bench_point(m, k, n, rms, affine, dtype):
@@ -64,13 +62,13 @@ def bench_point(m, k, n, rms, affine, dtype):
     w = torch.randn(n, k, device="cuda", dtype=dtype)
     row = {"M": m, "K": k, "N": n, "norm": "rms" if rms else "layer", "affine": affine}
     row["mm_ms"], _ = measure(lambda: torch.mm(x, w.t()))
-    for backend in ("inductor", "fusenorm"):
+    for backend in ("inductor", "fusenorm") + (("inductor_aa",) if AA else ()):
         for case, next_linear, train in (("fwd", False, False), ("fwdbwd", False, True), ("fwdbwd_next", True, True)):
             if case not in CASES:
                 continue
             torch._dynamo.reset()
             model = PostNorm(k, n, rms, affine, next_linear).to("cuda", dtype)
-            compiled = torch.compile(model, backend=backend, dynamic=False)
+            compiled = torch.compile(model, backend=backend.removesuffix("_aa"), dynamic=False)
             xg = x.detach().requires_grad_(train)
             if train:
                 g = torch.randn(m, n, device="cuda", dtype=dtype)
@@ -85,8 +83,17 @@ def bench_point(m, k, n, rms, affine, dtype):
 
             ms, peak = measure(step)
             row[f"{backend}_{case}_ms"], row[f"{backend}_{case}_peak_mib"] = round(ms, 4), round(peak, 1)
+            if backend == "fusenorm":  # what the dispatch decided, and why
+                import fusenorm_inductor
+
+                rep = fusenorm_inductor.last_report()
+                row[f"fusenorm_{case}_decision"] = [f"{r.pattern}: fused, {r.kernel}" for r in rep.rewrites
+                                                    if not r.pattern.startswith("canonical")] + \
+                    [f"{k.pattern}: {k.reason}" for k in rep.skips if k.pattern in ("linear_norm_fwd", "norm_prospects")]
     for case in CASES:
         row[f"speedup_{case}"] = round(row[f"inductor_{case}_ms"] / row[f"fusenorm_{case}_ms"], 3)
+        if AA:  # Inductor against itself, compiled and timed the same way: the noise beside the speedup
+            row[f"aa_{case}"] = round(row[f"inductor_{case}_ms"] / row[f"inductor_aa_{case}_ms"], 3)
     return row
 
 
@@ -101,12 +108,12 @@ def main():
                    help="events: do_bench (includes CPU launch overhead when the GPU waits for it); "
                         "cudagraph: do_bench_cudagraph (GPU time of the kernels alone)")
     p.add_argument("--cases", default="fwd,fwdbwd,fwdbwd_next")
+    p.add_argument("--aa", action="store_true", help="also compile and time Inductor a second time (aa_<case>: "
+                                                      "Inductor / Inductor, the spread beside each speedup)")
     args = p.parse_args()
-    global TIMER, CASES
-    TIMER, CASES = args.timer, args.cases.split(",")
+    global TIMER, CASES, AA
+    TIMER, CASES, AA = args.timer, args.cases.split(","), args.aa
     os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
-    import triton
-
     import fusenorm_inductor  # noqa: F401
 
     rows = []
@@ -117,11 +124,7 @@ def main():
             rows.append(r)
             print(json.dumps(r), flush=True)
     meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date": datetime.date.today().isoformat(),
+        **common.environment(commit=False, date="day"),  # gpu, torch, triton, python, date
         "dtype": "bfloat16",
         "timer": f"triton.testing.{'do_bench_cudagraph' if TIMER == 'cudagraph' else 'do_bench'} median, ms",
         "peak": "max_memory_allocated above the inputs during the timed calls, MiB",
@@ -132,9 +135,7 @@ def main():
         print(f"{r['K']:5d} {r['N']:5d} {r['norm']:>5} | {r['mm_ms']:6.3f} | " + " | ".join(
             f"{r[f'inductor_{c}_ms']:14.3f} {r[f'fusenorm_{c}_ms']:14.3f} {r[f'speedup_{c}']:5.2f}" for c in CASES))
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        common.write_json(args.out, {"meta": meta, "rows": rows}, quiet=True, rounded=False)
 
 
 if __name__ == "__main__":

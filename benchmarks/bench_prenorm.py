@@ -63,8 +63,10 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_gemm_norm as gn  # noqa: E402  (the harness: timer, ceilings, norm-alone functions, output)
-from bench_gemm_norm import DTYPE, ELEM, EPS, Bench, complete  # noqa: E402
+import bench_gemm_norm as gn  # noqa: E402  (the post-norm benchmark: ceilings, norm-alone functions, precompile)
+import common  # noqa: E402  (the shared harness: timers, peak memory, environment, JSON, PNG)
+from bench_gemm_norm import DTYPE, ELEM, EPS, complete  # noqa: E402
+from common import Bench  # noqa: E402
 
 DEFAULTS = {"rows": 262144, "K": "256,512,1024,2048", "N": "256,512,1024,2048"}
 DRY_DEFAULTS = {"rows": 64, "K": "32", "N": "32,64"}
@@ -486,7 +488,7 @@ def print_summary(summary: list[dict], min_share: float) -> None:
 def plot(data: dict, path: str, min_share: float) -> None:
     """Fan-out 1: heat maps of % hidden over K x N, a panel per (norm, direction), a figure row per affine off /
     on (bench_gemm_norm's panels). Below: a table of the summary per (norm, direction, fan-out)."""
-    plt = gn.pyplot()
+    plt = common.pyplot()
     if plt is None:
         return
     rows = data["rows"]
@@ -524,9 +526,7 @@ def plot(data: dict, path: str, min_share: float) -> None:
                  f"{meta.get('gpu', '?')}, M = {meta.get('rows', '?')}, {meta.get('timer_kind', '?')}\n"
                  f"fan-out 1. u: fusenorm's dispatch kept it unfused; hatched: norm < {100 * min_share:.0f}% of "
                  "t_unfused; grey: not measured", fontsize=9)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    print(f"wrote {path}")
+    common.save_figure(fig, path, dpi=130)
 
 
 def _summary_table(ax, table: list[dict], min_share: float) -> None:
@@ -559,8 +559,8 @@ def report(data: dict, json_path: str, min_share: float, write: bool = True, tab
             print(row_line(r))
     print_summary(data["summary"], min_share)
     if write:
-        gn.write_json(json_path, data)
-    plot(data, gn.png_path(json_path), min_share)
+        common.write_json(json_path, data)
+    plot(data, common.png_path(json_path), min_share)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -594,7 +594,7 @@ METRICS = {
                                   "rewrite's kernel text) or skipped (false, the reason); null: not seen",
     "dgrad_fuse, dgrad_reason": "bwd: the same for dgrad_norm_bwd",
     "fusenorm_rewrites, fusenorm_skips, fusenorm_errors": "everything the fused compile's reports hold",
-    "prenorm_choice": "ops.tuning.prenorm_choice for one consumer, asked after the compile (a cache hit)",
+    "prenorm_choice": "tuning.norm_mm.prenorm_choice for one consumer, asked after the compile (a cache hit)",
 }
 
 
@@ -610,11 +610,7 @@ def meta(args, device: str, ceilings: dict, tuning_settings: dict) -> dict:
 
 def done_rows(args) -> dict[tuple, dict]:
     """With --resume: the complete rows already in --out, by point."""
-    if args.resume and os.path.exists(args.out):
-        with open(args.out) as f:
-            old = json.load(f)["rows"]
-        return {row_key(r): r for r in old if complete(r)}
-    return {}
+    return common.read_rows(args.out, row_key, complete) if args.resume else {}
 
 
 def todo_points(args, done: dict) -> list[Point]:
@@ -650,7 +646,7 @@ def run(args, device: str) -> dict:
             print(row_line(row), flush=True)
             rows.append(row)
             # After every point: a run stopped by a time limit keeps its rows (rerun with --resume).
-            gn.write_json(args.out, {"meta": {**info, "partial": True}, "rows": rows}, quiet=True)
+            common.write_json(args.out, {"meta": {**info, "partial": True}, "rows": rows}, quiet=True)
         t_end = time.time()
     finally:
         if args.cache_dir is None:
@@ -700,10 +696,10 @@ def parse_args(argv=None):
     sizes = DRY_DEFAULTS if args.dry_run else DEFAULTS
     args.rows = int(args.rows or sizes["rows"])
     args.K, args.N = ([int(v) for v in (getattr(args, d) or sizes[d]).split(",")] for d in ("K", "N"))
-    args.norms = gn._choices(p, "--norms", args.norms, ("layer", "rms"))
-    args.dirs = gn._choices(p, "--dirs", args.dirs, ("fwd", "bwd"))
-    args.affine = [a == "on" for a in gn._choices(p, "--affine", args.affine, ("off", "on"))]
-    args.fanout = [int(f) for f in gn._choices(p, "--fanout", args.fanout, ("1", "2", "3"))]
+    args.norms = common.choices(p, "--norms", args.norms, ("layer", "rms"))
+    args.dirs = common.choices(p, "--dirs", args.dirs, ("fwd", "bwd"))
+    args.affine = [a == "on" for a in common.choices(p, "--affine", args.affine, ("off", "on"))]
+    args.fanout = [int(f) for f in common.choices(p, "--fanout", args.fanout, ("1", "2", "3"))]
     if args.precompile_workers is None:
         args.precompile_workers = 2 if args.dry_run else 8
     if args.out is None and not args.plot_only:
@@ -714,7 +710,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.merge:
-        report(gn.merge(args.merge, key=row_key), args.out, args.min_share)
+        report(common.merge(args.merge, key=row_key), args.out, args.min_share)
         return
     if args.plot_only:  # table, summary and PNG of a written JSON, which stays as it is
         with open(args.plot_only) as f:

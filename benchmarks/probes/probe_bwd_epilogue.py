@@ -3,13 +3,15 @@
 Runs ``fusenorm::mm_norm_backward``'s Gluon kernel with one named configuration (``--config``, a label of
 ``kernels/hopper/mm_norm_backward.candidates``) on the benchmark's inputs (bench_gemm_norm.py: M = 262144,
 bf16, the saved hh as src, an affine norm), and the same configuration's GEMM core with the plain epilogue
-(``--base``), ``--iters`` times each, for a profiler to pick the launches:
+("base"), ``--iters`` times each, for a profiler to pick the launches:
 
     ncu --clock-control none -k regex:mm_norm --launch-skip 2 --launch-count 2 \\
         --section SpeedOfLight --section WarpStateStats --section SourceCounters \\
-        python3 benchmarks/probe_bwd_epilogue.py --K 4096 --N 256 --norm rms --config "gl_coop 128x256x64 s3 w8"
+        python3 benchmarks/probes/probe_bwd_epilogue.py --K 4096 --N 256 --norm rms \\
+        --config "gl_coop 128x256x64 s3 w8"
 
-``--time`` prints the two kernels' times (do_bench medians) instead.
+``--time`` prints the two kernels' times (do_bench medians, rep 50 ms) instead. Results of the H200 run:
+benchmarks/results/probe_bwd_epilogue_h200.txt.
 """
 
 from __future__ import annotations
@@ -19,14 +21,13 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import bench_gemm_norm as bench  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+import bench_gemm_norm as bench  # noqa: E402  (the post-norm benchmark's point, inputs and op arguments)
+import common  # noqa: E402
 
 
 def main() -> None:
-    args = bench.probe_args(__doc__)
-
-    from triton.testing import do_bench
+    args = common.kernel_probe_args(__doc__)
 
     from fusenorm_inductor.kernels.hopper import mm_norm_backward as hopper
     from fusenorm_inductor.kernels.triton import mm_norm_backward as bk
@@ -45,8 +46,8 @@ def main() -> None:
             fn()
     torch.cuda.synchronize()
     if args.time:
-        print(f"{args.config} K={args.K} N={args.N} {args.norm}: fused {do_bench(fused, rep=50):.4f} ms, "
-              f"base {do_bench(base, rep=50):.4f} ms")
+        print(f"{args.config} K={args.K} N={args.N} {args.norm}: fused {common.do_bench_ms(fused, rep=50):.4f} ms, "
+              f"base {common.do_bench_ms(base, rep=50):.4f} ms")
 
 
 if __name__ == "__main__":

@@ -2,26 +2,33 @@
 
 Per shape (M = 262144 by default, bf16, forward): cuBLAS ``a @ W.T``; Inductor's norm alone and Inductor's
 ``norm(linear(a))`` (dynamic=False); for each Gluon candidate its GEMM base (plain epilogue) and the fused
-op (y only; --save-normed: y and hh). Timed in interleaved rounds (``--rounds``), CUDA-graph medians; one JSON object per
-line to stdout and ``--out``. This is the fast loop for choosing candidates; the targets are measured by
-bench_gemm_norm.py.
+op (y only; --save-normed: y and hh). Timed in interleaved rounds (``--rounds``), CUDA-graph medians
+(common.cudagraph_ms with rep = ``--rep-ms``); one JSON object per line to stdout and ``--out`` (appended). This is
+the fast loop for choosing candidates; the targets are measured by bench_gemm_norm.py.
 
-    python benchmarks/probe_gluon_mm_norm.py --shapes 256x128,1024x512 --norms rms,layer --affine on
+    python benchmarks/probes/probe_gluon_mm_norm.py --shapes 256x128,1024x512 --norms rms,layer --affine on
+
+Results of the H200 run: benchmarks/results/probe_gluon_mm_norm_h200.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+import common  # noqa: E402
+
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    doc = __doc__.split("\n\n")
+    p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=262144)
     p.add_argument("--shapes", default="256x128,512x256,1024x512,1024x1024,1024x2048,2048x4096",
                    help="KxN comma list")
@@ -36,17 +43,15 @@ def main():
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
-    from triton.testing import do_bench_cudagraph
-
+    from fusenorm_inductor.kernels.hopper import common as hopper_common
     from fusenorm_inductor.kernels.hopper import mm_norm as hopper
     from fusenorm_inductor.kernels.triton import mm_norm as fk
 
-    hopper.ALLOW_SPILLS = args.allow_spills
+    hopper_common.ALLOW_SPILLS = args.allow_spills
     out = open(args.out, "a") if args.out else None
     m = args.rows
     dev = "cuda"
-    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d")}), flush=True)
+    print(json.dumps(common.environment(python=False, commit=False, date="day")), flush=True)
     for shape in args.shapes.split(","):
         k, n = (int(x) for x in shape.split("x"))
         torch.manual_seed(0)
@@ -86,12 +91,9 @@ def main():
                         fns[f"base|{lab}"] = (lambda c=cfg: fk.mm_norm_triton(*args_op, config=c, gemm_only=True))
                     except Exception as e:  # noqa: BLE001
                         errs[lab] = f"{type(e).__name__}: {str(e)[:300]}"
-                times = {kk: [] for kk in fns}
                 with torch.no_grad():
-                    for _ in range(args.rounds):
-                        for kk, fn in fns.items():
-                            times[kk].append(do_bench_cudagraph(fn, rep=args.rep_ms, return_mode="median"))
-                med = {kk: statistics.median(v) for kk, v in times.items()}
+                    times = common.alternating(fns, lambda fn: common.cudagraph_ms(fn, rep=args.rep_ms), args.rounds)
+                med = common.medians(times)
                 t_mm, t_norm, t_unf = med["cublas"], med["norm"], med["unfused"]
                 rows = []
                 for cfg in cands:

@@ -5,46 +5,32 @@ Per point and direction, each implementation runs ``--iters`` times under torch.
 mean time per call of the block and its share, and the memory floor of one [T, H, D] pass (T * H * D * 2 bytes
 over the copy bandwidth), so "this kernel is worth N passes" can be read off.
 
-    python benchmarks/probe_fna_kernels.py --H 1,8 --lmax 512 --out /tmp/fna_kernels.json
-    python benchmarks/probe_fna_kernels.py --variants staged,block ...   # also the block with
+    python benchmarks/probes/probe_fna_kernels.py --H 1,8 --lmax 512 --out /tmp/fna_kernels.json
+    python benchmarks/probes/probe_fna_kernels.py --variants staged,block ...   # also the block with
         # kernels/hopper/gdpa.STAGE_STATS (fused_staged) and, at H = 1, in one kernel (GLUON_BLOCK: fused_block)
+
+Kernel times from common.profile_kernels (torch.profiler). Results of the H200 runs:
+benchmarks/results/fna_kernels_h200.json and fna_kernels2_h200.json (--variants staged,block).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import datetime
-import json
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_flash_norm_attention as fna  # noqa: E402
-import bench_gemm_norm as gn  # noqa: E402
-
-
-def kernel_times(fn, iters: int) -> dict:
-    """Mean CUDA time per call of ``fn`` by kernel name (ms), from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    out = collections.defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            out[e.name[:90]] += e.device_time / 1e3 / iters
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+import bench_flash_norm_attention as fna  # noqa: E402  (the block's inputs and implementations)
+import bench_gemm_norm as gn  # noqa: E402  (its ceilings: the copy bandwidth)
+import common  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    doc = __doc__.split("\n\n")
+    p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--H", default="1,8")
     p.add_argument("--lmax", default="512")
     p.add_argument("--dirs", default="fwd,bwd")
@@ -55,8 +41,6 @@ def main() -> None:
                         "block (H = 1: the whole block in one Gluon kernel, fused_block)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-
-    import triton
 
     import fusenorm_inductor  # noqa: F401  (registers torch.ops.fusenorm.*)
     from fusenorm_inductor.kernels.hopper import gdpa as hopper
@@ -69,7 +53,7 @@ def main() -> None:
         p.error(f"--variants: {variants} not in {sorted(switches)}")
 
     fna_op.CHECK_OFFSETS = False
-    copy_gbps = gn.measure_ceilings(gn.Bench("cudagraph", 20.0, "cuda"), "cuda", False)["copy_gbps"]
+    copy_gbps = gn.measure_ceilings(common.Bench("cudagraph", 20.0, "cuda"), "cuda", False)["copy_gbps"]
     rows = []
     for h in (int(x) for x in args.H.split(",")):
         for lmax in (int(x) for x in args.lmax.split(",")):
@@ -104,7 +88,7 @@ def main() -> None:
 
                         def call(out=out, leaves=leaves, grad=grad):
                             torch.autograd.grad(out, leaves, grad, retain_graph=True)
-                    ks = kernel_times(call, args.iters)
+                    ks = common.profile_kernels(call, args.iters)
                     total = sum(ks.values())
                     rows.append({"H": h, "Lmax": lmax, "T": case.total, "dir": direction, "impl": name,
                                  "total_ms": total, "pass_ms": pass_ms, "kernels_ms": ks})
@@ -113,11 +97,9 @@ def main() -> None:
                     for k, v in ks.items():
                         print(f"    {v:8.3f} ms {v / pass_ms:5.1f} passes  {k}")
             torch._dynamo.reset()
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": gn._git_commit(),
+    meta = {**common.environment(python=False),  # gpu, torch, triton, date, commit
             "copy_gbps": copy_gbps, "iters": args.iters, "timer": "torch.profiler CUDA kernel times, mean per call"}
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    common.write_json(args.out, {"meta": meta, "rows": rows}, quiet=True, rounded=False)
 
 
 if __name__ == "__main__":

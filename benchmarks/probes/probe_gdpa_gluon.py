@@ -7,28 +7,31 @@ Per point: CUDA-graph medians of both kernels in alternating rounds (``--rounds`
 moved over the copy bandwidth (the memory floor: q read and O written once, K and V read once), and max
 |gluon - triton|. ``--configs`` times several Gluon configurations (the row's t_gluon_ms is the best).
 
-    python benchmarks/probe_gdpa_gluon.py --out /tmp/gdpa.json
-    python benchmarks/probe_gdpa_gluon.py --dir bwd --out /tmp/gdpa_bwd.json    # the Gluon backward (dQ, dK/dV)
+    python benchmarks/probes/probe_gdpa_gluon.py --out /tmp/gdpa.json
+    python benchmarks/probes/probe_gdpa_gluon.py --dir bwd --out /tmp/gdpa_bwd.json    # the Gluon backward (dQ, dK/dV)
+
+Results of the H200 runs: benchmarks/results/gdpa_gluon_h200.json (fwd) and gdpa_gluon_bwd_h200.json (bwd).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import bench_flash_norm_attention as fna  # noqa: E402
-import bench_gemm_norm as gn  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+import bench_flash_norm_attention as fna  # noqa: E402  (the inputs: Case)
+import bench_gemm_norm as gn  # noqa: E402  (ceilings, max_abs_diff)
+import common  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    doc = __doc__.split("\n\n")
+    p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--H", default="1,2,4,8")
     p.add_argument("--lmax", default="512,1024,3000")
     p.add_argument("--batch", type=int, default=768)
@@ -43,8 +46,6 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
-    import triton
-
     from fusenorm_inductor.kernels.hopper import gdpa as hopper
     from fusenorm_inductor.kernels.triton import gdpa as gk
     from fusenorm_inductor.activations import activation_code
@@ -56,7 +57,7 @@ def main() -> None:
         ch, nq = rest.split("q")
         return hopper.GdpaGluonConfig(int(bm), int(ch), int(nq.rstrip("p")), nq.endswith("p"))
 
-    bench = gn.Bench("cudagraph", args.rep_ms, "cuda")
+    bench = common.Bench("cudagraph", args.rep_ms, "cuda")
     ceilings = gn.measure_ceilings(bench, "cuda", False)
     rows = []
     for h in (int(x) for x in args.H.split(",")):
@@ -92,11 +93,8 @@ def main() -> None:
                 fns[configs[0].label()]()
                 diff = max(gn.max_abs_diff(g, r) for g, r in zip(grads, ref))
                 nbytes = 3 * q.numel() * 2 + 4 * k.numel() * 2  # q, dO read, dQ written; K, V read, dK, dV written
-            times = {name: [] for name in fns}
-            for _ in range(args.rounds):
-                for name, fn in fns.items():
-                    times[name].append(bench.time_ms(fn)[0])
-            t = {name: statistics.median(ts) for name, ts in times.items()}
+            times = common.alternating(fns, bench.ms, args.rounds)
+            t = common.medians(times)
             best = min((c.label() for c in configs), key=lambda name: t[name])
             t["gluon"] = t[best]
             flops = case.gdpa_flops(args.dir)
@@ -113,13 +111,11 @@ def main() -> None:
                   f"triton {t['triton']:.3f} ms ({row['triton_peak_frac']:.0%}) x{row['speedup']:.2f} "
                   f"floor {row['memory_floor_ms']:.3f} ms diff {diff:.3g}", flush=True)
             del case, q, k, v, o
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=datetime.datetime.now().isoformat(timespec="seconds"), ceilings=ceilings,
+    meta = dict(**common.environment(python=False, commit=False), ceilings=ceilings,  # gpu, torch, triton, date
                 configs=args.configs, dir=args.dir, shape=dict(B=args.batch, S=128, D=args.dim, activation="fast_gelu",
                                                            lengths="uniform in [1, Lmax]", dtype="bfloat16"),
                 timer="cudagraph median of --rounds alternating rounds, ms")
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    common.write_json(args.out, {"meta": meta, "rows": rows}, quiet=True, rounded=False)
     fwd = [r["gdpa_peak_frac"] for r in rows]
     print(f"median share of matmul: gluon {statistics.median(fwd):.0%}, "
           f"triton {statistics.median(r['triton_peak_frac'] for r in rows):.0%}")

@@ -7,9 +7,11 @@ affine norm, no linear bias), ``--iters`` times, for a profiler to pick the laun
 
     ncu --clock-control none -k regex:norm_mm_kernel --launch-skip 1 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats \\
-        python3 benchmarks/probe_norm_mm_gluon.py --K 256 --N 2048 --norm layer --config "gl_coop 128x256x64 s3 w8"
+        python3 benchmarks/probes/probe_norm_mm_gluon.py --K 256 --N 2048 --norm layer \\
+        --config "gl_coop 128x256x64 s3 w8"
 
-``--time`` prints its time and cuBLAS's for the same GEMM (do_bench medians) instead.
+``--time`` prints its time and cuBLAS's for the same GEMM (do_bench medians) instead. Results of the H200 run:
+benchmarks/results/probe_norm_mm_gluon_h200.txt.
 """
 
 from __future__ import annotations
@@ -19,14 +21,12 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import bench_gemm_norm as bench  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+import common  # noqa: E402
 
 
 def main() -> None:
-    args = bench.probe_args(__doc__)
-
-    from triton.testing import do_bench
+    args = common.kernel_probe_args(__doc__)
 
     from fusenorm_inductor.kernels.hopper import norm_mm as hopper
     from fusenorm_inductor.kernels.triton import norm_mm as nk
@@ -47,7 +47,7 @@ def main() -> None:
         return nk.norm_mm_triton(a, w.t(), None, weight, norm_bias, 1e-5, is_rms, None, config=cfg)
 
     if args.time:
-        print(f"fused {do_bench(fused):.4f} ms, cuBLAS GEMM {do_bench(lambda: a @ w.t()):.4f} ms")
+        print(f"fused {common.do_bench_ms(fused):.4f} ms, cuBLAS GEMM {common.do_bench_ms(lambda: a @ w.t()):.4f} ms")
         return
     for _ in range(args.iters):
         fused()
