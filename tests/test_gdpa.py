@@ -11,7 +11,7 @@
 - CUDA (skipped without CUDA): the op and its three gradients at B = 8, lengths up to 300 (including 0 and 1),
   S = 128, H = 2, D in {64, 128}, bf16/fp16, every activation; the offsets check behind VALIDATE_CUDA_OFFSETS.
 
-Every output the launchers allocate is NaN-poisoned (gdpa_kernels._alloc), so an element no program writes
+Every output the launchers allocate is NaN-poisoned (kernels/triton/gdpa._alloc), so an element no program writes
 fails. Kernel tolerances are per element, from the dtypes' unit roundoff times the magnitudes that carry each
 rounding (``error_bounds``), never a blanket atol. bf16 arithmetic is broken in the Triton 3.6 interpreter
 (docs/platform.md): bf16 runs only on CUDA.

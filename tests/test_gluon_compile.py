@@ -83,7 +83,7 @@ def _known_spill(v) -> bool:
     that spills and falls back to the tl path): LayerNorm with bias, residual, affine (and hh) at 256-wide
     tiles, where N is not a multiple of the tile (the masked statistics) or over a cluster (Chan's merge):
     on triton 3.6 only those; triton 3.9 spills more of the same flag set (58 of 423 variants). Anything else
-    that spills is a regression. The variants compile with the runtime's specializations (offline.runtime_attrs:
+    that spills is a regression. The variants compile with the runtime's specializations (cpu_compile.runtime_attrs:
     16-divisible pointers and sizes, fp32 norm weights where the op passes them), so a spill the H200 would
     meet at launch shows here."""
     if v.get("op") == "gdpa":
@@ -152,14 +152,14 @@ def test_cluster_barrier_exactly_where_rows_are_exchanged(compiled):
 
 def test_on_by_default_and_switchable():
     from fusenorm_inductor import config
-    from fusenorm_inductor.kernels.triton import mm_norm as fk
+    from fusenorm_inductor.tuning import mm_norm as fwd_t
 
     a = torch.empty((257, 64), dtype=torch.bfloat16)
     b = torch.empty((128, 64), dtype=torch.bfloat16).t()
     assert config.gluon
-    assert "not on CUDA" in fk.gluon_unsupported(a, b, None, None, None, None, None, False)
+    assert "not on CUDA" in fwd_t.gluon_unsupported(a, b, None, None, None, None, None, False)
     with config.patch(gluon=False):
-        assert "config.gluon" in fk.gluon_unsupported(a, b, None, None, None, None, None, False)
+        assert "config.gluon" in fwd_t.gluon_unsupported(a, b, None, None, None, None, None, False)
 
 
 def test_gdpa_gluon_takes_only_what_it_can():
@@ -184,7 +184,7 @@ def test_gdpa_gluon_takes_only_what_it_can():
 def test_gdpa_gluon_launch_guard():
     """``run_gluon``: a launch whose specialization spills falls back and is not compiled again; a tensor TMA
     cannot address falls back without a launch; otherwise the launch runs."""
-    from fusenorm_inductor.kernels.hopper.mm_norm import SpillError
+    from fusenorm_inductor.kernels.hopper.common import SpillError
     from fusenorm_inductor.kernels.triton import gdpa as gk
 
     calls = []
@@ -250,11 +250,12 @@ def test_gdpa_launchers_pass_every_kernel_argument(monkeypatch, launcher):
         kernel, flags = hopper.gdpa_fwd_kernel, None
     elif launcher == "fna":
         hopper.fna_attention_gluon(q, k, k, offs, 40, w, None, stats, stats, o, torch.zeros(100, h), 0, 0.5)
-        kernel, flags = hopper.gdpa_fna_kernel, 1 | (4 if hopper.STAGE_STATS else 0)  # ln weight; staged stats
+        kernel = hopper.gdpa_fna_kernel
+        flags = hopper.FLAG_LN_WEIGHT.value | (hopper.FLAG_STAGED_STATS.value if hopper.STAGE_STATS else 0)
     else:
         hopper.fna_block_gluon(q, k, k, offs, 40, None, None, w, 1e-5, 1e-6, o, stats, stats, stats, o.clone(), 0,
                                0.5)
-        kernel, flags = hopper.gdpa_fnb_kernel, 8 | 16
+        kernel, flags = hopper.gdpa_fnb_kernel, hopper.FLAG_BLOCK.value | hopper.FLAG_RMS_WEIGHT.value
     (key, plan, descs, rest), = captured
     _, _, plan_descs, blocks, plan_rest, consts, grid, _, _ = plan
     params = list(inspect.signature(kernel.fn).parameters)

@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from fusenorm_inductor.kernels.hopper import _compat  # noqa: E402
+from fusenorm_inductor.kernels.hopper import common as hopper_common  # noqa: E402
 from fusenorm_inductor.kernels.hopper import launch as L  # noqa: E402
 from fusenorm_inductor.kernels.hopper import mm_norm as hopper  # noqa: E402
 
@@ -20,7 +21,7 @@ BF16 = torch.bfloat16
 def sm90(monkeypatch):
     """unsupported() sees an sm_90 GPU; meta tensors have no storage, so alignment is taken as given."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(hopper, "_tma_ok", lambda t: True)
+    monkeypatch.setattr(hopper_common, "tma_ok", lambda t: True)
 
 
 def _ab(m, k, n, dtype=BF16, b_t=True):
@@ -144,9 +145,9 @@ def test_cluster_size_rules():
 
 def test_vectors_padded_to_whole_tiles():
     v = torch.arange(200, dtype=torch.float32)
-    p = hopper._padded(v, 256)
+    p = hopper_common.padded(v, 256)
     assert p.shape == (256,) and torch.equal(p[:200], v) and not p[200:].any()
-    assert hopper._padded(v[:128], 128).data_ptr() == v.data_ptr()  # already whole: no copy
+    assert hopper_common.padded(v[:128], 128).data_ptr() == v.data_ptr()  # already whole: no copy
 
 
 def test_register_budget():

@@ -16,6 +16,8 @@ pytest.importorskip("triton")
 
 from fusenorm_inductor.kernels.hopper import _compat  # noqa: E402
 
+from fusenorm_inductor.tuning import mm_norm_backward as bwd_t  # noqa: E402
+
 from . import kernel_cases as kc  # noqa: E402
 from .kernel_cases import BF16, BWD_CASES, NORMS, bwd_k  # noqa: E402
 
@@ -57,18 +59,18 @@ def _gluon_args(args):
 
 
 def _check_every_candidate(args, plans):
-    from fusenorm_inductor.kernels.hopper import mm_norm as fwd_hopper
+    from fusenorm_inductor.kernels.hopper import common as hopper_common
     from fusenorm_inductor.kernels.hopper import mm_norm_backward as hopper
 
-    assert bwd_k.gluon_unsupported(args[0], args[1], *_gluon_args(args)) is None
+    assert bwd_t.gluon_unsupported(args[0], args[1], *_gluon_args(args)) is None
     cands = hopper.candidates(args[0], args[1])
-    assert cands and bwd_k.backward_candidates(args[0], args[1], args[1].shape[1], 2, _gluon_args(args)) == cands
+    assert cands and bwd_t.backward_candidates(args[0], args[1], args[1].shape[1], 2, _gluon_args(args)) == cands
     rdx, rdw, rdb = kc.mm_norm_backward_reference(*args)
     ran = 0
     for cfg in cands:
         try:
             dx, dw, db = bwd_k.mm_norm_backward_triton(*args, config=cfg)
-        except fwd_hopper.SpillError:
+        except hopper_common.SpillError:
             continue  # refused, never launched (the offline compile test lists the specializations that spill)
         ran += 1
         TARGET.check([dx], [rdx], [f"dx [{cfg.label()}]"])
@@ -118,10 +120,10 @@ def test_layernorm_from_x_at_large_mean(n, plans):
 @pytest.mark.parametrize("n", [40, 256, 1000])
 def test_same_bits_run_to_run(n):
     args = TARGET.bwd_args(BWD_CASES["full"], 40001, 512, n, BF16, False)  # several tiles per program
-    from fusenorm_inductor.kernels.hopper.mm_norm import SpillError
+    from fusenorm_inductor.kernels.hopper.common import SpillError
 
     first = cfg = None
-    for cfg in bwd_k.backward_candidates(args[0], args[1], n, 2, _gluon_args(args)):
+    for cfg in bwd_t.backward_candidates(args[0], args[1], n, 2, _gluon_args(args)):
         assert cfg.kind.startswith("gl_")
         try:  # the first candidate that runs: the launcher refuses a specialization that spills
             first = bwd_k.mm_norm_backward_triton(*args, config=cfg)
@@ -141,14 +143,14 @@ def test_cached_plan_relaunch_through_the_op():
 
     op = importlib.import_module("fusenorm_inductor.ops.mm_norm_backward")  # the module, not the op it exports
 
-    bwd_k._PLANS.clear()
+    op._PLANS.clear()
     for _ in range(2):
         args = TARGET.bwd_args(BWD_CASES["full"], 1000, 200, 256, BF16, True)
         dx, dw, db = op._cuda(*args)
         rdx, rdw, rdb = kc.mm_norm_backward_reference(*args)
         TARGET.check([dx], [rdx], ["dx"])
         TARGET.check_colsum(dw, rdw, "dw")
-    assert len(bwd_k._PLANS) == 1
+    assert len(op._PLANS) == 1
 
 
 FALLBACKS = {
@@ -164,6 +166,6 @@ FALLBACKS = {
 def test_fallbacks_are_correct(name, plans):
     n = 2304 if name == "n_too_wide" else 128
     args = FALLBACKS[name](TARGET.bwd_args(BWD_CASES["full"], 257, 200, n, BF16, False))
-    assert bwd_k.gluon_unsupported(args[0], args[1], *_gluon_args(args)) is not None
+    assert bwd_t.gluon_unsupported(args[0], args[1], *_gluon_args(args)) is not None
     TARGET.check_backward(args)
     assert plans == []

@@ -23,7 +23,7 @@ Rows of a Q tile past the sequence's end hold the next sequence's tokens (or TMA
 rows are computed and never stored. Sequence bounds are clamped into [0, T] as in the Triton kernels, so
 unvalidated offsets cannot address memory outside q and O.
 
-The backward (``gdpa_bwd_gluon``; the op's switch: ops/gdpa_kernels.GLUON_BACKWARD) recomputes S
+The backward (``gdpa_bwd_gluon``; the op's switch: kernels/triton/gdpa.GLUON_BACKWARD) recomputes S
 per tile, as the Triton kernels do:
 - dQ (``gdpa_dq_kernel``): the forward's partitions with dO loaded beside each Q tile, one program per work
   item; per tile and block of 64 K/V rows S = Q K^T and dP = dO V^T, dS = act'(S) * scale * dP rounded to the
@@ -35,9 +35,10 @@ per tile, as the Triton kernels do:
   run to run); a sequence of length 0 gets zeros.
 
 FlashNormAttention's attention step (``fna_attention_gluon``, the forward's partitions in MODE 2; the op's switch:
-ops/flash_norm_attention_kernels.GLUON_ATTENTION) rebuilds ln_q from each Q tile in shared memory and the token
+kernels/triton/flash_norm_attention.GLUON_ATTENTION) rebuilds ln_q from each Q tile in shared memory and the token
 statistics, feeds it to S's wgmma as the register operand, starts O's accumulator at ln_q (the residual), and
-stores O rounded with its per-head sums of squares for the RMSNorm that a per-token kernel finishes.
+stores O rounded with its per-head sums of squares for the RMSNorm that a per-token kernel finishes. Its
+compile-time switches are the FLAGS bits below (``fna_flags``).
 
 q and O are read as [T, H * D] and K, V as [B * S, H * D] (views of the contiguous layouts): the tile of
 head h is the box at column h * D. The box of K and V is [S, D], so S must be a power of two in [16, 128]
@@ -69,15 +70,13 @@ from ._compat import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from .common import LOAD_REGS, MMA_REGS, descriptor, refuse_spills
+from .cpu_compile import compile_sm90, descriptor_type, runtime_attrs
 from .gemm_core import mma_layout
 from ..triton.common import num_sms
-from .mm_norm import SpillError, _descriptor
 
 __all__ = ["Plan", "gdpa_fwd_gluon", "gdpa_bwd_gluon", "fna_attention_gluon", "fna_block_gluon", "unsupported", "misaligned",
-           "backward_unsupported", "choose_config"]
-
-LOAD_REGS = 24
-MMA_REGS = 232
+           "backward_unsupported", "choose_config", "fna_flags"]
 
 
 class GdpaGluonConfig(NamedTuple):
@@ -101,9 +100,27 @@ def choose_config(max_seq_len_q: int) -> GdpaGluonConfig:
     return PERSISTENT if max_seq_len_q <= PERSISTENT.block_m * PERSISTENT.chunk else PER_ITEM
 
 
+# The FLAGS of FlashNormAttention's kernels (gdpa_fna_kernel, gdpa_fnb_kernel): the norm weights present, where
+# the LayerNorm's statistics come from, the whole block. gl.constexpr: the kernels read them as globals;
+# ``fna_flags`` packs them on the host.
+FLAG_LN_WEIGHT = gl.constexpr(1)  # w1: the LayerNorm's weight
+FLAG_LN_BIAS = gl.constexpr(2)  # b1: the LayerNorm's bias
+FLAG_STAGED_STATS = gl.constexpr(4)  # the loader stages each Q tile's statistics in shared memory
+FLAG_BLOCK = gl.constexpr(8)  # the whole block (H = 1): the statistics from the tile, RMSNorm in the epilogue
+FLAG_RMS_WEIGHT = gl.constexpr(16)  # w2: the RMSNorm's weight (the whole block)
+
+
+def fna_flags(ln_weight: bool, ln_bias: bool, rms_weight: bool = False, *, staged_stats: bool = False,
+              block: bool = False) -> int:
+    """The FLAGS value of these switches (the ``FLAG_*`` bits)."""
+    bits = ((ln_weight, FLAG_LN_WEIGHT), (ln_bias, FLAG_LN_BIAS), (rms_weight, FLAG_RMS_WEIGHT),
+            (staged_stats, FLAG_STAGED_STATS), (block, FLAG_BLOCK))
+    return sum(bit.value for on, bit in bits if on)
+
+
 # FlashNormAttention's attention step with the LayerNorm statistics of each Q tile staged in shared memory by
-# the loader (FLAGS & 4), instead of the consumer reading them from global memory in the middle of its tile
-# (a few per cent faster on the H200, docs/design.md); a switch so the benchmarks can time both.
+# the loader (FLAG_STAGED_STATS), instead of the consumer reading them from global memory in the middle of its
+# tile (a few per cent faster on the H200, docs/design.md); a switch so the benchmarks can time both.
 STAGE_STATS = True
 
 
@@ -228,7 +245,7 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, stat_bufs, k_bufs,
             for i in range(n_tiles):
                 s = (c + i) % NQ
                 mbarrier.wait(q_empty.index(s), (((c + i) // NQ) & 1) ^ 1)
-                if MODE == 2 and FLAGS & 4:
+                if MODE == 2 and FLAGS & FLAG_STAGED_STATS:
                     _stage_stats(stat_bufs, s, eargs, row_begin + i * BM, end, BM)
                 if MODE != 1:
                     mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
@@ -276,12 +293,12 @@ def _store_rows(o, o_ptr, o_buf, o_desc, row0, col, end, ld_o, BM: gl.constexpr,
 def _ln_tile(q_smem, stat_bufs, slot, row0, end, h, eargs, FLAGS: gl.constexpr, layout: gl.constexpr):
     """ln_q (fp32, ``layout``) of the Q tile in shared memory: (q - mean) * rstd (* w1 + b1) with the token
     statistics of its rows (0 for rows past the sequence's end, which are never stored) and head h's slice of
-    the LayerNorm's weight and bias. The statistics are new to every tile: FLAGS & 4, the loader staged them in
-    ``stat_bufs`` (rows 2 slot and 2 slot + 1 of [2 NQ, BM] fp32 in shared memory); otherwise they are read
-    from global memory here, on the tile's critical path. The weight and bias are the same for every tile of
-    a work item (L1 hits after the first); kept in registers per item they spilled. FLAGS & 8 (H = 1, the
-    whole block in one kernel): the statistics are the tile's own rows' (two passes over registers) and are
-    stored to mean / rstd for the backward; ``eargs[8]`` is the LayerNorm's eps."""
+    the LayerNorm's weight and bias. The statistics are new to every tile: with FLAG_STAGED_STATS the loader
+    staged them in ``stat_bufs`` (rows 2 slot and 2 slot + 1 of [2 NQ, BM] fp32 in shared memory); otherwise
+    they are read from global memory here, on the tile's critical path. The weight and bias are the same for
+    every tile of a work item (L1 hits after the first); kept in registers per item they spilled. FLAG_BLOCK
+    (H = 1, the whole block in one kernel): the statistics are the tile's own rows' (two passes over
+    registers) and are stored to mean / rstd for the backward; ``eargs[8]`` is the LayerNorm's eps."""
     BM: gl.constexpr = q_smem.type.shape[0]
     D: gl.constexpr = q_smem.type.shape[1]
     w1_ptr = eargs[0]
@@ -290,7 +307,7 @@ def _ln_tile(q_smem, stat_bufs, slot, row0, end, h, eargs, FLAGS: gl.constexpr, 
     rstd_ptr = eargs[3]
     rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     cols = h * D + gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    if FLAGS & 8:  # the whole token is this tile (H = 1): its statistics from the tile, stored for the backward
+    if FLAGS & FLAG_BLOCK:  # the whole token is this tile (H = 1): statistics from the tile, stored for the backward
         x = q_smem.load(layout).to(gl.float32)
         mean = gl.sum(x, axis=1) / D
         xc = x - gl.expand_dims(mean, 1)
@@ -300,7 +317,7 @@ def _ln_tile(q_smem, stat_bufs, slot, row0, end, h, eargs, FLAGS: gl.constexpr, 
         gl.store(rstd_ptr + rows, rstd, mask=ok)
         y = xc * gl.expand_dims(rstd, 1)
     else:
-        if FLAGS & 4:
+        if FLAGS & FLAG_STAGED_STATS:
             mean = stat_bufs.index(2 * slot).load(gl.SliceLayout(1, layout))
             rstd = stat_bufs.index(2 * slot + 1).load(gl.SliceLayout(1, layout))
         else:
@@ -309,9 +326,9 @@ def _ln_tile(q_smem, stat_bufs, slot, row0, end, h, eargs, FLAGS: gl.constexpr, 
             rstd = gl.load(rstd_ptr + rows, mask=ok, other=0.0)
         x = q_smem.load(layout).to(gl.float32)
         y = (x - gl.expand_dims(mean, 1)) * gl.expand_dims(rstd, 1)
-    if FLAGS & 1:
+    if FLAGS & FLAG_LN_WEIGHT:
         y = y * gl.expand_dims(gl.load(w1_ptr + cols).to(gl.float32), 0)
-    if FLAGS & 2:
+    if FLAGS & FLAG_LN_BIAS:
         y = y + gl.expand_dims(gl.load(b1_ptr + cols).to(gl.float32), 0)
     return y
 
@@ -339,7 +356,7 @@ def _block_epilogue(o, q_smem, q_empty, o_buf, row0, end, eargs, FLAGS: gl.const
     rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     gl.store(eargs[4] + rows, r2, mask=rows < end)
     y = ob.to(gl.float32) * gl.expand_dims(r2, 1)
-    if FLAGS & 16:
+    if FLAGS & FLAG_RMS_WEIGHT:
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
         y = y * gl.expand_dims(gl.load(eargs[5] + cols).to(gl.float32), 0)
     y = y + q_smem.load(layout).to(gl.float32)
@@ -355,10 +372,10 @@ def _consumer(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_emp
     """MODE 0 (forward): O = act(Q K^T) * scale @ V. MODE 1 (dQ): dQ = (act'(Q K^T) * scale * (dO V^T)) @ K, S and dP
     recomputed per tile (o_* then name dQ's output). MODE 2 (FlashNormAttention's attention): ln_q = the
     LayerNorm of the Q tile from the token statistics, O = act(ln_q K^T) * scale @ V + ln_q, rounded, and
-    sum(O^2) per token for the RMSNorm (``eargs`` = (w1, b1, mean, rstd, ss) pointers, FLAGS: 1 w1, 2 b1, 4 the
-    statistics staged in shared memory by the loader, ``stat_bufs`` [2 NQ, BM]). MODE 3 (the whole block, H = 1,
-    FLAGS & 8): MODE 2 with the LayerNorm statistics from the tile and the RMSNorm and second residual in the
-    epilogue (``_block_epilogue``); O is the block's output (``eargs`` in ``gdpa_fnb_kernel``'s order)."""
+    sum(O^2) per token for the RMSNorm (``eargs`` = (w1, b1, mean, rstd, ss) pointers, FLAGS: FLAG_LN_WEIGHT,
+    FLAG_LN_BIAS, FLAG_STAGED_STATS with ``stat_bufs`` [2 NQ, BM]). MODE 3 (the whole block, H = 1, FLAG_BLOCK):
+    MODE 2 with the LayerNorm statistics from the tile and the RMSNorm and second residual in the epilogue
+    (``_block_epilogue``); O is the block's output (``eargs`` in ``gdpa_fnb_kernel``'s order)."""
     BM: gl.constexpr = q_bufs.type.shape[1]
     D: gl.constexpr = q_bufs.type.shape[2]
     S: gl.constexpr = k_bufs.type.shape[1]
@@ -457,9 +474,11 @@ def gdpa_fnb_kernel(q_desc, k_desc, v_desc, o_desc, rms_desc, o_ptr, off_ptr, T,
                     MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The whole FlashNormAttention block where H = 1 (MODE 3 of the partitions): out = RMSNorm(GDPA(ln_q) +
     ln_q) (* g2) + q with the LayerNorm's statistics from the tile, rms_in (the rounded o) and the statistics
-    stored for the backward; no per-token kernels before or after (FLAGS: 1 w1, 2 b1, 8 always, 16 w2)."""
+    stored for the backward; no per-token kernels before or after (FLAGS: FLAG_LN_WEIGHT, FLAG_LN_BIAS,
+    FLAG_RMS_WEIGHT, and FLAG_BLOCK always)."""
     gl.static_assert(num_warps == 4, "each consumer is one warpgroup")
-    gl.static_assert((FLAGS & 12) == 8, "the block's own statistics, none staged")
+    gl.static_assert((FLAGS & (FLAG_STAGED_STATS | FLAG_BLOCK)) == FLAG_BLOCK,
+                     "the block's own statistics, none staged")
     _partitions(q_desc, q_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n_chunks, n_items, scale,
                 (w1_ptr, b1_ptr, mean_ptr, rstd_ptr, r2_ptr, w2_ptr, rms_desc, rms_ptr, ln_eps, rms_eps), ACT, CH,
                 NQ, 3, FLAGS, LOAD_REGS, MMA_REGS)
@@ -491,8 +510,9 @@ def _partitions(q_desc, do_desc, k_desc, v_desc, o_desc, o_ptr, off_ptr, T, H, n
     # K/V buffers: two in the forward (the next item's land under the current one's tiles); one for dQ, whose
     # program has one item (and with a runtime buffer index its wgmma descriptors did not fit the registers)
     KVB: gl.constexpr = 1 if MODE == 1 else 2
-    # the LayerNorm statistics of each Q slot (FlashNormAttention with FLAGS & 4; else q_bufs stands in, unread)
-    if MODE == 2 and FLAGS & 4:
+    # the LayerNorm statistics of each Q slot (FlashNormAttention with FLAG_STAGED_STATS; else q_bufs stands in,
+    # unread)
+    if MODE == 2 and FLAGS & FLAG_STAGED_STATS:
         stat_bufs = gl.allocate_shared_memory(gl.float32, [2 * NQ, BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
         stat_bufs = q_bufs
@@ -643,7 +663,7 @@ HEAD_DIMS = (64, 128)
 
 def unsupported(q: Tensor, k: Tensor) -> Optional[str]:
     """Why the Gluon kernel cannot run these inputs (None: it can). The caller has validated them (and this
-    module imports only where Gluon is usable: ops/gdpa_kernels.gluon_unsupported checks that first)."""
+    module imports only where Gluon is usable: kernels/triton/gdpa.gluon_unsupported checks that first)."""
     if q.dtype not in GLUON_DTYPES:
         return f"dtype {q.dtype} (the kernel takes bf16 and fp16)"
     t, h, d = q.shape
@@ -685,7 +705,7 @@ def backward_unsupported(q: Tensor, k: Tensor) -> Optional[str]:
 class Plan:
     """One kernel of this module compiled for one argument signature, with its grid and compile-time
     arguments: calling it launches on new tensors of the same shapes, strides and dtypes (``descs``: the 2-D
-    views the TMA descriptors cover, ``rest``: the runtime arguments after them). Raises ``SpillError`` when
+    views the TMA descriptors cover, ``rest``: the runtime arguments after them). Raises ``common.SpillError`` when
     the specialization spills registers (it is then never launched)."""
 
     def __init__(self, kernel, label: str, descs: tuple, blocks: tuple, rest: tuple, consts: tuple, grid: int,
@@ -693,13 +713,12 @@ class Plan:
         self.blocks, self.consts, self.grid = blocks, consts, grid
         compiled = L.compiled_kernel(kernel, self._descriptors(descs) + rest + consts, 1, num_warps=4,
                                      maxnreg=L.maxnreg(total_warps))
-        if getattr(compiled, "n_spills", 0):
-            raise SpillError(f"{label}: this specialization spills registers ({compiled.n_spills})")
+        refuse_spills(compiled, label)
         self.compiled = compiled
         self.fast = L.fast_launcher(compiled, len(descs), 4, device)
 
     def _descriptors(self, descs: tuple) -> tuple:
-        return tuple(_descriptor(x, blk) for x, blk in zip(descs, self.blocks))
+        return tuple(descriptor(x, blk) for x, blk in zip(descs, self.blocks))
 
     def __call__(self, descs: tuple, rest: tuple) -> None:
         if self.fast is not None:
@@ -756,11 +775,10 @@ def gdpa_fwd_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, o: Tensor
     _launch_q_tiles("fwd", gdpa_fwd_kernel, q, k, v, (o,), q_offsets, max_seq_len_q, act, scale, config=config)
 
 
-def _weights(ws: tuple, bits: tuple, stand_in: Tensor) -> tuple:
-    """The norm weights ``ws`` as kernel arguments (``stand_in``, never read, where one is absent), their dtypes
-    for the plan's key, and the FLAGS of those present (``bits``, one per weight)."""
-    return (tuple(stand_in if w is None else w for w in ws), tuple(None if w is None else w.dtype for w in ws),
-            sum(b for w, b in zip(ws, bits) if w is not None))
+def _weights(ws: tuple, stand_in: Tensor) -> tuple:
+    """The norm weights ``ws`` as kernel arguments (``stand_in``, never read, where one is absent) and their dtypes
+    for the plan's key."""
+    return tuple(stand_in if w is None else w for w in ws), tuple(None if w is None else w.dtype for w in ws)
 
 
 def fna_attention_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
@@ -769,9 +787,10 @@ def fna_attention_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_
     """FlashNormAttention's attention step on the forward's structure: rms_in = GDPA(ln_q) + ln_q (rounded to q's
     dtype) and ss [T, H] = its per-head row sums of squares, ln_q rebuilt from q and the LayerNorm statistics
     (mean, rstd [T] fp32) with the norm's weight and bias (contiguous [H * D], or None)."""
-    (w1, b1), dtypes, flags = _weights((ln_weight, ln_bias), (1, 2), stand_in=mean)
+    (w1, b1), dtypes = _weights((ln_weight, ln_bias), stand_in=mean)
+    flags = fna_flags(ln_weight is not None, ln_bias is not None, staged_stats=STAGE_STATS)
     _launch_q_tiles("fna", gdpa_fna_kernel, q, k, v, (rms_in,), q_offsets, max_seq_len_q, act, scale,
-                    (w1, b1, mean, rstd, ss), flags | (4 if STAGE_STATS else 0), (dtypes,))
+                    (w1, b1, mean, rstd, ss), flags, (dtypes,))
 
 
 def fna_block_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_len_q: int,
@@ -782,9 +801,10 @@ def fna_block_gluon(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, max_seq_
     LayerNorm's mean and rstd, the RMSNorm's rstd r2 and rms_in (the rounded o), as the op's Triton path computes
     them in three; inputs contiguous, weights contiguous [D] or None."""
     assert q.shape[1] == 1, "the whole block in one kernel needs the norms inside one tile (H = 1)"
-    (w1, b1, w2), dtypes, flags = _weights((ln_weight, ln_bias, rms_weight), (1, 2, 16), stand_in=mean)
+    (w1, b1, w2), dtypes = _weights((ln_weight, ln_bias, rms_weight), stand_in=mean)
+    flags = fna_flags(ln_weight is not None, ln_bias is not None, rms_weight is not None, block=True)
     _launch_q_tiles("fnb", gdpa_fnb_kernel, q, k, v, (out, rms_in), q_offsets, max_seq_len_q, act, scale,
-                    (w1, b1, mean, rstd, w2, r2, rms_in, float(ln_eps), float(rms_eps)), flags | 8, (dtypes,))
+                    (w1, b1, mean, rstd, w2, r2, rms_in, float(ln_eps), float(rms_eps)), flags, (dtypes,))
 
 
 def gdpa_bwd_gluon(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, dq: Tensor, dk: Tensor,
@@ -856,11 +876,9 @@ def _warps(kind: str, s: int) -> int:
 
 
 def compile_offline(d: int, s: int, act: int, dtype: str = "bf16", config: GdpaGluonConfig = PERSISTENT,
-                    kind: str = "fwd", w_dtype: str = "bf16", flags: int = 3):
+                    kind: str = "fwd", w_dtype: str = "bf16", flags: int = fna_flags(True, True)):
     """Compile the forward (``kind`` "fwd"), dQ ("dq"), dK/dV ("dkdv"), FlashNormAttention's attention step
-    ("fna") or its whole block at H = 1 ("fnb") for sm_90a on the CPU."""
-    from .offline import compile_sm90, descriptor_type, runtime_attrs
-
+    ("fna") or its whole block at H = 1 ("fnb") for sm_90a on the CPU (``flags``: the latter two's FLAGS)."""
     bm = config.block_m if kind != "dkdv" else dkdv_block_m(d)
     tile, kv = descriptor_type([bm, d], dtype), descriptor_type([s, d], dtype)
     values = dict(q_desc=tile, do_desc=tile, k_desc=kv, v_desc=kv, o_desc=tile, dq_desc=tile,
@@ -878,10 +896,11 @@ def compile_offline(d: int, s: int, act: int, dtype: str = "bf16", config: GdpaG
     return compile_sm90(_kernel(kind), signature, constexprs, 4, L.maxnreg(_warps(kind, s)), attrs)
 
 
-# The FLAGS the FlashNormAttention launchers can pass (which norm weights are present; STAGE_STATS adds 4 to the
-# attention step's, the whole block always has 8).
-FNA_FLAGS = (0, 1, 2, 3)
-FNB_FLAGS = (8, 9, 10, 11, 24, 25, 26, 27)
+# The FLAGS the FlashNormAttention launchers can pass: the attention step's with and without STAGE_STATS, the
+# whole block's; each with every set of norm weights.
+_BOTH = (False, True)
+FNA_FLAGS = tuple(fna_flags(w, b, staged_stats=st) for st in _BOTH for b in _BOTH for w in _BOTH)
+FNB_FLAGS = tuple(fna_flags(w, b, r, block=True) for r in _BOTH for b in _BOTH for w in _BOTH)
 
 
 def offline_variants() -> list[dict]:
@@ -895,7 +914,7 @@ def offline_variants() -> list[dict]:
     out += [dict(op="gdpa", kind="fwd", d=128, s=32, act=0, dtype="fp16", config=list(PERSISTENT))]
     out += [dict(op="gdpa", kind=k, d=d, s=s, act=a, dtype="bf16", config=list(DQ_CONFIG)) for k in ("dq", "dkdv")
             for d in HEAD_DIMS for s in (64, 128) for a in range(5)]
-    for kind, flag_sets in (("fna", FNA_FLAGS + tuple(f | 4 for f in FNA_FLAGS)), ("fnb", FNB_FLAGS)):
+    for kind, flag_sets in (("fna", FNA_FLAGS), ("fnb", FNB_FLAGS)):
         out += [dict(op="gdpa", kind=kind, d=d, s=128, act=a, dtype="bf16", config=list(PERSISTENT), w_dtype="bf16",
                      flags=f) for d in HEAD_DIMS for a in range(5) for f in flag_sets]
         out += [dict(op="gdpa", kind=kind, d=d, s=128, act=a, dtype="bf16", config=list(PER_ITEM), w_dtype="fp32",
@@ -904,5 +923,5 @@ def offline_variants() -> list[dict]:
 
 
 def compile_variant(v: dict):
-    return compile_offline(v["d"], v["s"], v["act"], v["dtype"], GdpaGluonConfig(*v["config"]), v["kind"],
-                           v.get("w_dtype", "bf16"), v.get("flags", 3))
+    given = {k: v[k] for k in ("w_dtype", "flags") if k in v}
+    return compile_offline(v["d"], v["s"], v["act"], v["dtype"], GdpaGluonConfig(*v["config"]), v["kind"], **given)

@@ -20,8 +20,9 @@ accumulator, in the wgmma register layout, to ``EPILOGUE``:
 tile index, ``it``: the consumer's tile count, ``stats``: the tile's row sums of A, see ``STATS``), a ``gluon.jit``
 function
 passed as a constexpr with its runtime arguments in the tuple ``eargs`` and its compile-time switches in the
-integer ``FLAGS`` (a bit mask: constexprs inside a tuple do not stay constexpr across ``warp_specialize``). ``c_bufs`` holds ``NUM_OUT`` shared-memory staging
-tiles per consumer (from index ``buf0``) for TMA stores, and TMA loads of [BM, BN] operands of the epilogue
+integer ``FLAGS`` (a bit mask: constexprs inside a tuple do not stay constexpr across ``warp_specialize``; each
+op's module names its bits ``FLAG_*``). ``c_bufs`` holds ``NUM_OUT`` shared-memory staging tiles per consumer
+(from index ``buf0``) for TMA stores, and TMA loads of [BM, BN] operands of the epilogue
 (a residual) through them, with the consumer's own mbarrier ``epi_bar`` (the epilogue derives each wait's
 phase from ``it`` and its own fixed count of loads per tile): a tile's worth of pointers in the wgmma layout costs more registers than the accumulator. The fused ops (post-norm forward, plain GEMM, ...)
 are epilogues of this core, not mainloops of their own.

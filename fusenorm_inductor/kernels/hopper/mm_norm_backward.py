@@ -34,9 +34,19 @@ from ..triton.common import num_sms
 from . import launch as L
 from ._compat import (GLUON_ERROR, cluster_arrive, cluster_wait, gl, gluon, mbarrier, smem_read_fence, thread_barrier,
                       tma, tma_load)
+from .common import LOAD_REGS, MAX_TILE_N, b_layout, descriptor, padded, pow2_tile, refuse_spills, tma_ok
+from .cpu_compile import compile_sm90, descriptor_type, runtime_attrs
 from .epilogues import CHUNK, consumer_warps, load_vector, stage_store, tile_index, warp_column_sums
 from .gemm_core import gemm_ws, schedule
-from .mm_norm import LOAD_REGS, MAX_TILE_N, _descriptor, _padded, _tma_ok, b_layout, pow2_tile
+
+# The epilogue's FLAGS (gemm_core passes its switches as one integer): a bit per switch of mm_norm_bwd_kernel,
+# then the cluster size C. gl.constexpr: the kernels read them as globals.
+FLAG_HAS_EXTRA = gl.constexpr(1)
+FLAG_HAS_W = gl.constexpr(2)
+FLAG_HAS_DB = gl.constexpr(4)
+FLAG_IS_RMS = gl.constexpr(8)
+FLAG_NORMED = gl.constexpr(16)
+FLAG_C_SHIFT = gl.constexpr(5)
 
 # ----------------------------------------------------------------------------------------------------------
 # Kernel
@@ -54,7 +64,7 @@ def _bwd_prologue(off_m, off_n, c_bufs, buf0: gl.constexpr, epi_bar, eargs, FLAG
     """Before the tile's mainloop: the epilogue's first [BM, BN] operand (extra, else the saved src) into the
     staging buffer, once the previous tile's dx has left it, so it lands under the MMAs."""
     tma.store_wait(0)
-    if (FLAGS & 1) != 0:
+    if (FLAGS & FLAG_HAS_EXTRA) != 0:
         _issue_load(eargs[1], off_m, off_n, c_bufs.index(buf0), epi_bar)
     else:
         _issue_load(eargs[2], off_m, off_n, c_bufs.index(buf0), epi_bar)
@@ -73,12 +83,12 @@ def _bwd_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it
     db_ptr = eargs[7]
     p1_ptr = eargs[8]
     p2_ptr = eargs[9]
-    HAS_EXTRA: gl.constexpr = (FLAGS & 1) != 0
-    HAS_W: gl.constexpr = (FLAGS & 2) != 0
-    HAS_DB: gl.constexpr = (FLAGS & 4) != 0
-    IS_RMS: gl.constexpr = (FLAGS & 8) != 0
-    NORMED: gl.constexpr = (FLAGS & 16) != 0  # src is x_hat (the forward's hh), not x
-    C: gl.constexpr = FLAGS >> 5  # CTAs per cluster: the row's tiles (1: the row fits one tile)
+    HAS_EXTRA: gl.constexpr = (FLAGS & FLAG_HAS_EXTRA) != 0
+    HAS_W: gl.constexpr = (FLAGS & FLAG_HAS_W) != 0
+    HAS_DB: gl.constexpr = (FLAGS & FLAG_HAS_DB) != 0
+    IS_RMS: gl.constexpr = (FLAGS & FLAG_IS_RMS) != 0
+    NORMED: gl.constexpr = (FLAGS & FLAG_NORMED) != 0  # src is x_hat (the forward's hh), not x
+    C: gl.constexpr = FLAGS >> FLAG_C_SHIFT  # CTAs per cluster: the row's tiles (1: the row fits one tile)
     BM: gl.constexpr = c_bufs.type.shape[1]
     BN: gl.constexpr = c_bufs.type.shape[2]
     LOADS: gl.constexpr = 2 if HAS_EXTRA else 1  # epi_bar completions per tile
@@ -157,8 +167,8 @@ def _bwd_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it
 @gluon.jit
 def _x_hat(buf, mean, rstd, FLAGS: gl.constexpr, layout: gl.constexpr):
     """The normalized row tile from the staging buffer: hh as saved, or rebuilt from x and the statistics."""
-    IS_RMS: gl.constexpr = (FLAGS & 8) != 0
-    NORMED: gl.constexpr = (FLAGS & 16) != 0
+    IS_RMS: gl.constexpr = (FLAGS & FLAG_IS_RMS) != 0
+    NORMED: gl.constexpr = (FLAGS & FLAG_NORMED) != 0
     x = buf.load(layout).to(gl.float32)
     if NORMED:
         return x
@@ -176,7 +186,8 @@ def mm_norm_bwd_kernel(a_desc, b_desc, dx_desc, extra_desc, src_desc, w_ptr, mea
                        B_KN: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
                        num_warps: gl.constexpr):
     eargs = (dx_desc, extra_desc, src_desc, w_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr, p1_ptr, p2_ptr)
-    FLAGS: gl.constexpr = HAS_EXTRA * 1 + HAS_W * 2 + HAS_DB * 4 + IS_RMS * 8 + NORMED * 16 + C * 32
+    FLAGS: gl.constexpr = (HAS_EXTRA * FLAG_HAS_EXTRA + HAS_W * FLAG_HAS_W + HAS_DB * FLAG_HAS_DB + IS_RMS * FLAG_IS_RMS
+                           + NORMED * FLAG_NORMED + (C << FLAG_C_SHIFT))
     gemm_ws(a_desc, b_desc, dx_desc, M, N, K, _bwd_prologue, _bwd_epilogue, eargs, FLAGS, 0, 1, C > 1, NUM_STAGES, C, 1, NCONS, B_KN,
             LOAD_WARPS, LOAD_REGS, MMA_REGS, num_warps)
 
@@ -217,7 +228,7 @@ def unsupported(dy, b, extra, src, weight, mean, rstd, dx_dtype) -> Optional[str
         return "weight not contiguous"
     if not isinstance(dy, torch._subclasses.FakeTensor):
         for name, t in (("dy", dy), ("b", b.t() if b_layout(dy, b) == "nk" else b), ("extra", extra), ("src", src)):
-            if t is not None and not _tma_ok(t):
+            if t is not None and not tma_ok(t):
                 return f"{name}'s storage is not 16-byte aligned"
     return None
 
@@ -305,7 +316,7 @@ def _operands(dy, b, extra, src, weight, mean, rstd, dx, dw_part, db_part, p1, p
     m, k = dy.shape
     n = b.shape[1]
     descs = (dy, b if kn else b.t(), dx, extra if extra is not None else dx, src)
-    weight = _padded(weight, bn)
+    weight = padded(weight, bn)
     rest = (weight if weight is not None else rstd, mean if mean is not None and mean.numel() else rstd, rstd,
             dw_part, db_part, p1, p2, m, n, k)
     return descs, rest
@@ -314,12 +325,10 @@ def _operands(dy, b, extra, src, weight, mean, rstd, dx, dw_part, db_part, p1, p
 class BackwardPlan:
     """One launch configuration of ``mm_norm_bwd_kernel``, made once per argument signature (as
     mm_norm.ForwardPlan): the compiled kernel, its grid and compile-time arguments; calling it launches on
-    new buffers of the same shapes, strides, dtypes and alignment. Raises ``mm_norm.SpillError`` when the
+    new buffers of the same shapes, strides, dtypes and alignment. Raises ``common.SpillError`` when the
     specialization spills (never launched)."""
 
     def __init__(self, dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, config, alloc, dx):
-        from .mm_norm import ALLOW_SPILLS, SpillError
-
         m, n = dy.shape[0], b.shape[1]
         self.config, self.alloc = config, alloc
         self.has_w, self.has_db, self.is_rms = weight is not None, bool(has_bias), bool(is_rms)
@@ -334,14 +343,13 @@ class BackwardPlan:
                                 config.block_n)
         bm, bn, bk = config.block_m, config.block_n, config.block_k
         self.blocks = ([bm, bk], [bk, bn] if self.kn else [bn, bk], [bm, bn], [bm, bn], [bm, bn])
-        args = tuple(_descriptor(t, blk) for t, blk in zip(descs, self.blocks)) + rest
+        args = tuple(descriptor(t, blk) for t, blk in zip(descs, self.blocks)) + rest
         consts = _constexprs(config, shape, self.kn, extra=extra is not None, has_w=self.has_w, has_db=self.has_db,
                              is_rms=self.is_rms, normed=bool(src_is_normed))
         self.consts = tuple(consts[p] for p in _PARAMS[len(_RUNTIME):-1])
         compiled = L.compiled_kernel(mm_norm_bwd_kernel, args + self.consts, c, num_warps=shape.num_warps,
                                      maxnreg=shape.maxnreg)
-        if getattr(compiled, "n_spills", 0) and not ALLOW_SPILLS:
-            raise SpillError(f"{config.label()}: this specialization spills registers ({compiled.n_spills})")
+        refuse_spills(compiled, config.label(), obeys_allow_spills=True)
         self.compiled = compiled
         self.fast = L.fast_launcher(compiled, 5, shape.num_warps, dy.device)
         if c == 1:
@@ -374,7 +382,7 @@ class BackwardPlan:
         if self.fast is not None:
             self.fast(self.grid, descs, rest + self.consts)
         else:
-            args = tuple(_descriptor(t, blk) for t, blk in zip(descs, self.blocks)) + rest
+            args = tuple(descriptor(t, blk) for t, blk in zip(descs, self.blocks)) + rest
             L.run(self.compiled, self.grid, args + self.consts, self.shape.num_warps)
         # over programs and warps in a fixed order: the same bits run to run; program p of a cluster holds
         # the cluster's N tile p % C
@@ -400,10 +408,8 @@ def _columns(part: Tensor, programs: int, c: int, n: int) -> Tensor:
 def compile_offline(config, n: int, k: int, *, is_rms: bool, affine: bool, extra: bool, normed: bool,
                     w_fp32: bool = False, b_kn: bool = True, m: int = 1024):
     """Compile the kernel ``BackwardPlan`` would launch for this config and flags, for sm_90a, on the CPU, with
-    the JIT's specialization of these sizes (``offline.runtime_attrs``). ``w_fp32``: the norm's weight in
+    the JIT's specialization of these sizes (``cpu_compile.runtime_attrs``). ``w_fp32``: the norm's weight in
     fp32 (autocast keeps parameters fp32), which takes more registers than a bf16 one."""
-    from .offline import compile_sm90, descriptor_type, runtime_attrs
-
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     shape = launch_shape(config, n)
     values = dict(

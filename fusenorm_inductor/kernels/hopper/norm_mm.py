@@ -1,7 +1,7 @@
 """Pre-norm forward on the Hopper GEMM core ("Lazy Pre-Norm"): ``c = norm(a) @ b + bias`` (``fusenorm::norm_mm``).
 
 Semantics are ``norm_mm_reference``'s (ops/norm_mm.py), on the folded operands of
-``ops.norm_mm_kernels.fold_norm_affine``: b' = diag(weight) b (a's dtype), bias' = bias + norm_bias b (fp32),
+``kernels/triton/norm_mm.fold_norm_affine``: b' = diag(weight) b (a's dtype), bias' = bias + norm_bias b (fp32),
 colsum = the column sums of the rounded b' (LayerNorm). The core multiplies a @ b' and, with its ``STATS``
 switch, adds up each row's statistics from the A stages it already holds in shared memory (gemm_core.py);
 the epilogue (``_norm_mm_epilogue``) applies them to the fp32 accumulator:
@@ -12,7 +12,7 @@ Nothing of norm(a) is written and no row depends on another tile: any N, no clus
 
 LayerNorm's statistics come from sums shifted by the row's mean over the first K tile (gemm_core), so the
 variance keeps its precision at |mean| >> std; the rank-1 correction's own cancellation at large |mean| is
-discussed in ops/norm_mm_kernels.py (the tl kernels share it).
+discussed in kernels/triton/norm_mm.py (the tl kernels share it).
 
 Launcher: ``unsupported`` says why an input cannot take this path, ``candidates`` lists the configurations
 to time, ``PrenormPlan`` compiles one and launches it with the per-call fast path (launch.py).
@@ -28,12 +28,25 @@ from torch import Tensor
 from ..triton.common import num_sms
 from . import launch as L
 from ._compat import gl, gluon, tma
+from .common import (
+    LOAD_REGS,
+    MMA_REGS,
+    b_layout,
+    descriptor,
+    fit_config,
+    operand_problem,
+    padded,
+    refuse_spills,
+    storage_problem,
+)
+from .cpu_compile import compile_sm90, descriptor_type, runtime_attrs
 from .epilogues import load_vector, stage_store, tile_index
 from .gemm_core import gemm_ws, no_prologue
-from .mm_norm import SpillError, _descriptor, _fit, _padded, b_layout, operand_problem, storage_problem
 
-LOAD_REGS = 24
-MMA_REGS = 232
+# The epilogue's FLAGS (gemm_core passes its switches as one integer): a bit per switch of norm_mm_kernel.
+# gl.constexpr: the kernels read them as globals.
+FLAG_HAS_BIAS = gl.constexpr(1)
+FLAG_IS_RMS = gl.constexpr(2)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -51,8 +64,8 @@ def _norm_mm_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar
     rstd_ptr = eargs[4]
     K = eargs[5]
     eps = eargs[6]
-    HAS_BIAS: gl.constexpr = (FLAGS & 1) != 0
-    IS_RMS: gl.constexpr = (FLAGS & 2) != 0
+    HAS_BIAS: gl.constexpr = (FLAGS & FLAG_HAS_BIAS) != 0
+    IS_RMS: gl.constexpr = (FLAGS & FLAG_IS_RMS) != 0
     BM: gl.constexpr = c_bufs.type.shape[1]
     BN: gl.constexpr = c_bufs.type.shape[2]
     rows, cols, rmask, cmask = tile_index(off_m, off_n, M, N, BM, BN, layout)
@@ -83,7 +96,7 @@ def norm_mm_kernel(a_desc, b_desc, c_desc, colsum_ptr, bias_ptr, mean_ptr, rstd_
                    SPAN: gl.constexpr, NCONS: gl.constexpr, B_KN: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
                    num_warps: gl.constexpr):
     eargs = (c_desc, colsum_ptr, bias_ptr, mean_ptr, rstd_ptr, K, eps)
-    FLAGS: gl.constexpr = HAS_BIAS * 1 + IS_RMS * 2
+    FLAGS: gl.constexpr = HAS_BIAS * FLAG_HAS_BIAS + IS_RMS * FLAG_IS_RMS
     gemm_ws(a_desc, b_desc, c_desc, M, N, K, no_prologue, _norm_mm_epilogue, eargs, FLAGS, STATS, 1, False,
             NUM_STAGES, 1, SPAN, NCONS, B_KN, 1, LOAD_REGS, MMA_REGS, num_warps)
 
@@ -107,9 +120,9 @@ def candidates(a: Tensor, b: Tensor) -> list:
     k = a.shape[1]
     n = b.shape[1]
     bk = 64 if k >= 64 else 32
-    out = [_fit("gl_rows", 128, 256, bk, 4, 8, 1)] if n > 256 else []
-    out += [_fit("gl_coop", 128, 256, bk, 4, 8, 1)] if n > 128 else []
-    out += [_fit("gl_pp", 128, 128, bk, 5, 4, 2), _fit("gl_coop", 128, 128, bk, 6, 4, 1)]
+    out = [fit_config("gl_rows", 128, 256, bk, 4, 8, 1)] if n > 256 else []
+    out += [fit_config("gl_coop", 128, 256, bk, 4, 8, 1)] if n > 128 else []
+    out += [fit_config("gl_pp", 128, 128, bk, 5, 4, 2), fit_config("gl_coop", 128, 128, bk, 6, 4, 1)]
     return [c for c in out if c is not None]
 
 
@@ -144,7 +157,7 @@ _N_RUNTIME = 11
 class PrenormPlan:
     """One launch configuration of ``norm_mm_kernel`` for one argument signature: the compiled kernel, its
     grid and compile-time arguments, and the fast launcher. Calling it launches on new tensors of the same
-    shapes, strides and dtypes. Raises ``SpillError`` when the specialization spills (never launched)."""
+    shapes, strides and dtypes. Raises ``common.SpillError`` when the specialization spills (never launched)."""
 
     def __init__(self, a, b_fold, bias_fold, colsum, eps, is_rms, c, mean, rstd, config) -> None:
         m, k = a.shape
@@ -159,8 +172,7 @@ class PrenormPlan:
         args = self._runtime(a, b_fold, bias_fold, colsum, eps, c, mean, rstd, descriptors=True)
         compiled = L.compiled_kernel(norm_mm_kernel, args + self.consts, 1, num_warps=shape.num_warps,
                                      maxnreg=shape.maxnreg)
-        if getattr(compiled, "n_spills", 0):
-            raise SpillError(f"{config.label()}: this specialization spills registers ({compiled.n_spills})")
+        refuse_spills(compiled, config.label())
         self.compiled = compiled
         self.fast = L.fast_launcher(compiled, 3, shape.num_warps, a.device)
         items = -(-m // bm) * (-(-n // bn) if shape.span == 1 else 1)  # tiles, or row blocks
@@ -172,8 +184,8 @@ class PrenormPlan:
         bn = self.config.block_n
         descs = (a, b_fold if self.kn else b_fold.t(), c)
         if descriptors:
-            descs = tuple(_descriptor(t, blk) for t, blk in zip(descs, self.blocks))
-        bias_fold, colsum = _padded(bias_fold, bn), _padded(colsum, bn)
+            descs = tuple(descriptor(t, blk) for t, blk in zip(descs, self.blocks))
+        bias_fold, colsum = padded(bias_fold, bn), padded(colsum, bn)
         return descs + (colsum if colsum is not None else rstd, bias_fold if bias_fold is not None else rstd,
                         mean if mean.numel() else rstd, rstd, m, n, k, float(eps))
 
@@ -203,8 +215,6 @@ def compile_offline(config, n: int, k: int, *, is_rms: bool, bias: bool, bias_fp
                     m: int = 1024):
     """Compile the kernel ``norm_mm_gluon`` would launch for this config and flags, for sm_90a, on the CPU.
     ``bias_fp32``: bias' is fp32 where a norm bias folds into it, else the linear's own bias (a's dtype)."""
-    from .offline import compile_sm90, descriptor_type, runtime_attrs
-
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     shape = launch_shape(config, n)
     values = dict(a_desc=descriptor_type([bm, bk]), b_desc=descriptor_type([bk, bn] if b_kn else [bn, bk]),

@@ -357,3 +357,12 @@ def gemm_config(
 def finalize_block_m(m: int, block_n: int) -> int:
     """Rows per program of a finalize kernel: about FINALIZE_ELEMS elements, a power of two, <= pow2(M)."""
     return min(max(2, FINALIZE_ELEMS // block_n), pow2_at_least(m, lo=2))
+
+
+@triton.jit
+def copy_kernel(src, dst, numel, BLOCK: tl.constexpr):
+    """dst[:numel] = src[:numel]: what the copy-bandwidth probe times (tuning/measure.py), the speed at which
+    Inductor's norm kernels, which read and write each element once, run."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)

@@ -493,8 +493,8 @@ def _token_args(q: Tensor):
 
 def _on_gluon(kind: str, q, k, v, weights: tuple, outs: tuple, activation: str, launch) -> bool:
     """Run ``launch(hopper, act)``, a launch of kernels/hopper/gdpa.py, where the inputs suit the Gluon kernels
-    (``gdpa_kernels.gluon_unsupported`` accepts q and k; q, k, v and the present weights contiguous) through
-    ``gdpa_kernels.run_gluon``'s guard; False: the caller's Triton path runs."""
+    (``kernels/triton/gdpa.gluon_unsupported`` accepts q and k; q, k, v and the present weights contiguous)
+    through ``kernels/triton/gdpa.run_gluon``'s guard; False: the caller's Triton path runs."""
     from .gdpa import gluon_unsupported, run_gluon
 
     present = [w for w in weights if w is not None]

@@ -275,7 +275,7 @@ def run_gluon(key: tuple, tensors: tuple, launch: Callable[[], None]) -> bool:
     supported, unless a tensor's storage address is one TMA cannot use or this signature (``key``) spilled
     before (its specialization is then never compiled again). False: the caller runs its Triton kernel."""
     from ..hopper import gdpa as hopper
-    from ..hopper.mm_norm import SpillError
+    from ..hopper.common import SpillError
 
     if key in _GLUON_SPILLED or hopper.misaligned(*tensors) is not None:
         return False

@@ -1,12 +1,12 @@
 """Triton kernels and launcher for ``fusenorm::mm_norm``: ``y = norm(a @ b + bias + residual)``.
 
-Semantics, output shapes and dtypes are those of ``mm_norm_reference`` (mm_norm.py): the GEMM accumulates in
-fp32, bias and residual are added in fp32, statistics are fp32, y is rounded once to ``out_dtype``, hh once
+Semantics, output shapes and dtypes are those of ``mm_norm_reference`` (ops/mm_norm.py): the GEMM accumulates
+in fp32, bias and residual are added in fp32, statistics are fp32, y is rounded once to ``out_dtype``, hh once
 to the pre-norm dtype.
 
-Which kernel runs is a ``GemmConfig`` (_triton_common.py): ``forward_candidates`` lists the ones worth
-timing for a shape, ``forward_config`` (ops/measure.py) picks the measured best (cached per shape; the first one
-without CUDA or tuning).
+Which kernel runs is the ``GemmConfig`` (kernels/triton/common.py) the caller passes: tuning/mm_norm.py lists
+the ones worth timing for a shape (``forward_candidates``) and picks the measured best (``forward_config``,
+cached per shape; the first one without CUDA or tuning), which ops/mm_norm.py passes in.
 
 On Hopper, with TMA-compatible operands (``tma_layout``: 16-bit, A row-major, b a transposed row-major
 weight or a row-major [K, N] matrix, 16-byte aligned rows), persistent TMA-fed kernels:
@@ -47,26 +47,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ... import config as settings  # "config" names the GemmConfig arguments here
-from ...tuning import baseline, measure
 from .common import (
     FINALIZE_WARPS,
-    TMA_MAX_BLOCK_N,
     GemmConfig,
     cooperative_grid,
-    fixed_candidates,
     launch_with_tma_store,
     chan_combine,
     dot_input_precision,
     finalize_block_m,
     num_sms,
-    pow2_at_least,
-    spin_allowed,
     tile_coords,
     tile_matmul,
     tma_descriptors,
     tensor_descriptor,
-    tma_config,
     tma_layout,
     tma_tile,
 )
@@ -74,7 +67,8 @@ from .common import (
 __all__ = ["mm_norm_triton"]
 
 # Test hook: when set (a power of two >= 16), the N tile is this size, so N > _FORCE_BLOCK_N takes the
-# multi-tile path even for small N (the interpreter tests cover both paths with small shapes).
+# multi-tile path even for small N (the interpreter tests cover both paths with small shapes). Read where the
+# configuration is chosen (tuning/mm_norm.py) and by the launch plans' key (ops/mm_norm.py).
 _FORCE_BLOCK_N: Optional[int] = None
 
 
@@ -513,49 +507,6 @@ def _scratch(y, hh, out_dtype, h_dtype, save_normed, m, n, dev) -> Tensor:
     return _alloc((m, n), h_dtype, dev)
 
 
-def gluon_unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed) -> Optional[str]:
-    """Why the Gluon sm_90 kernels (kernels/hopper/mm_norm.py) cannot take these inputs; None when they can."""
-    if not settings.gluon:
-        return "off (config.gluon / FUSENORM_GLUON)"
-    if _FORCE_BLOCK_N is not None:
-        return "test hook _FORCE_BLOCK_N set"
-    from ..hopper import _compat
-
-    if _compat.GLUON_ERROR is not None:  # the kernel module itself needs Gluon to import
-        return f"this triton has no usable Gluon ({_compat.GLUON_ERROR})"
-    from ..hopper import mm_norm as hopper
-
-    return hopper.unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed)
-
-
-def forward_candidates(a: Tensor, b: Tensor, n: int, out_bytes: int = 2, gluon_args: Optional[tuple] = None
-                       ) -> list[GemmConfig]:
-    """The configurations worth timing for this shape, best guess first (``tuning`` times them on CUDA and
-    caches the winner; without tuning the first one runs). ``out_bytes``: 4 when an [M, N] output is fp32.
-    ``gluon_args`` (bias, residual, weight, norm_bias, out_dtype, save_normed): when given and the Gluon
-    kernels take these inputs, their configurations come first."""
-    if gluon_args is not None and gluon_unsupported(a, b, *gluon_args) is None:
-        from ..hopper import mm_norm as hopper
-
-        gluon = hopper.candidates(a, b, gluon_args[-1])
-        if gluon:
-            return gluon
-    fixed, bk = fixed_candidates(a, b, n, _FORCE_BLOCK_N)
-    if fixed is not None:
-        return fixed
-    bn = pow2_at_least(n)
-    if bn <= TMA_MAX_BLOCK_N:
-        warps = 8 if bn > 64 else 4
-        return [
-            tma_config("row", 128, bn, bk, 3, warps, out_bytes),
-            tma_config("row", 64, bn, bk, 4, 4, out_bytes, progs_per_sm=2),
-        ]
-    out = []
-    if spin_allowed(a.device) and triton.cdiv(n, 128) <= num_sms(a.device):
-        out = [tma_config("spin", 128, 256, bk, 3, 8, out_bytes), tma_config("spin", 128, 128, bk, 4, 8, out_bytes)]
-    return out + [tma_config("coop", 128, 256, bk, 3, 8, out_bytes), tma_config("coop", 64, 256, bk, 4, 4, out_bytes)]
-
-
 def mm_norm_triton(
     a: Tensor,
     b: Tensor,
@@ -567,16 +518,18 @@ def mm_norm_triton(
     is_rms: bool,
     out_dtype: Optional[torch.dtype],
     save_normed: bool,
-    config: Optional[GemmConfig] = None,
+    config: Optional[GemmConfig],
     gemm_only: bool = False,
     plan_out: Optional[list] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(y, hh, mean, rstd) of ``mm_norm_reference``; inputs already checked by the op.
 
-    ``config``: one of ``forward_candidates``; None asks ``forward_config`` (measured and cached on
-    CUDA). ``gemm_only`` (TMA configs only): y = a @ b + bias + residual, no norm (the benchmark's GEMM
-    base). ``plan_out``: where a Gluon launch appends a function that launches the same again on inputs of
-    the same signature (``mm_norm_cuda`` caches it).
+    ``config``: the configuration to run, one of tuning/mm_norm.py's ``forward_candidates`` (None only where
+    M = 0: nothing launches). A Gluon one ("gl_*") whose specialization spills registers raises
+    ``SpillError`` (kernels/hopper/mm_norm.py) before launching anything; the op then runs the ``tl`` kernels
+    (ops/mm_norm.py). ``gemm_only`` (TMA configs only): y = a @ b + bias + residual, no norm (the benchmark's
+    GEMM base). ``plan_out``: where a Gluon launch appends a function that launches the same again on inputs
+    of the same signature (``mm_norm_cuda`` in ops/mm_norm.py caches it).
     """
     m, k = a.shape
     n = b.shape[1]
@@ -587,23 +540,14 @@ def mm_norm_triton(
     y, hh, mean, rstd = _outputs(m, n, out_dtype, h_dtype, is_rms, save_normed, dev)
     if m == 0:
         return y, hh, mean, rstd
-    explicit = config is not None  # a caller timing this config (tuning, tests) hears that it cannot run
-    if config is None:
-        config = forward_config(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed)
     if config.kind.startswith("gl_"):
-        from ..hopper.mm_norm import SpillError, mm_norm_gluon
+        from ..hopper.mm_norm import mm_norm_gluon
 
-        try:
-            plan = mm_norm_gluon(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_normed, y, hh, mean,
-                                 rstd, config, gemm_only, lambda shape, dtype: _alloc(shape, dtype, dev))
-            if plan_out is not None:
-                plan_out.append(_gluon_launcher(plan, m, n, out_dtype, h_dtype, is_rms, save_normed, dev))
-            return y, hh, mean, rstd
-        except SpillError:
-            if explicit:
-                raise
-            # the tl kernels' first choice
-            config = forward_candidates(a, b, n, forward_out_bytes(a, residual, out_dtype, save_normed))[0]
+        plan = mm_norm_gluon(a, b, bias, residual, weight, norm_bias, eps, is_rms, save_normed, y, hh, mean, rstd,
+                             config, gemm_only, lambda shape, dtype: _alloc(shape, dtype, dev))
+        if plan_out is not None:
+            plan_out.append(_gluon_launcher(plan, m, n, out_dtype, h_dtype, is_rms, save_normed, dev))
+        return y, hh, mean, rstd
     if config.kind == "spin" and triton.cdiv(n, config.block_n) > num_sms(dev):
         tiles = triton.cdiv(n, config.block_n)
         raise ValueError(f"{config.label()}: a row block's {tiles} tiles cannot all be resident (spin exchange)")
@@ -703,80 +647,13 @@ def mm_norm_triton(
     return y, hh, mean, rstd
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Which configuration runs: measured per shape (ops/measure.py)
-# ----------------------------------------------------------------------------------------------------------
-
-
-_PLANS: dict[tuple, Callable] = {}  # plan_key -> launcher (mm_norm_cuda)
-
-
-def mm_norm_cuda(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed, check):
-    """The CUDA kernel of ``fusenorm::mm_norm`` as compiled graphs call it: the launch plan cached for this
-    argument signature (measure.plan_key: no validation, tuning lookup or JIT specialization per call), else
-    ``check()`` and the full launcher, whose plan is kept when it made one (the Gluon path; not while a CUDA
-    graph is captured, where the tuner could not measure)."""
-    key = measure.plan_key((a, b, bias, residual, weight, norm_bias), eps, is_rms, out_dtype, save_normed,
-                           settings.gluon, _FORCE_BLOCK_N)
-    plan = _PLANS.get(key)
-    if plan is not None:
-        return plan(a, b, bias, residual, weight, norm_bias, eps)
-    check()
-    made: list = []
-    out = mm_norm_triton(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed, plan_out=made)
-    if made and not torch.cuda.is_current_stream_capturing():
-        _PLANS[key] = made[0]
-    return out
-
-
 def _gluon_launcher(plan, m: int, n: int, out_dtype, h_dtype, is_rms: bool, save_normed: bool, dev) -> Callable:
+    """What ``plan_out`` receives from a Gluon launch: the plan relaunched on new inputs of the same signature,
+    into fresh output buffers."""
+
     def launch(a, b, bias, residual, weight, norm_bias, eps):
         y, hh, mean, rstd = _outputs(m, n, out_dtype, h_dtype, is_rms, save_normed, dev)
         plan(a, b, bias, residual, weight, norm_bias, eps, y, hh, mean, rstd)
         return y, hh, mean, rstd
 
     return launch
-
-
-def forward_out_bytes(a, residual, out_dtype, save_normed) -> int:
-    """Bytes per element of the widest [M, N] output (4 when y or hh is fp32): it bounds the pipeline depth."""
-    h_dtype = torch.promote_types(a.dtype, residual.dtype) if residual is not None else a.dtype
-    wide = (out_dtype or a.dtype) == torch.float32 or (save_normed and h_dtype == torch.float32)
-    return 4 if wide else 2
-
-
-def measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed) -> dict:
-    """Every candidate timed on random inputs like the (possibly fake) arguments, and the unfused side:
-    Inductor's own code for the subgraph (ops/baseline.py), and the estimate (cuBLAS's GEMM plus a norm at
-    copy speed: it reads h, and the residual, and writes y) that stands in where that cannot be measured."""
-    with measure.RealInputs():
-        ra, rb, *args = measure.real_gemm_operands(a, b, bias, residual, weight, norm_bias)
-        out_bytes = forward_out_bytes(ra, residual, out_dtype, save_normed)
-        t_mm = measure.gemm_ms(ra, rb, args[0])
-        t_est = measure.plus(t_mm, measure.norm_proxy_ms(ra.shape[0], rb.shape[1], ra.dtype,
-                                                         3 if residual is not None else 2, a.device))
-        best, times = measure.time_candidates(
-            forward_candidates(ra, rb, rb.shape[1], out_bytes, (*args, out_dtype, save_normed)),
-            lambda c: mm_norm_triton(ra, rb, *args, eps, is_rms, out_dtype, save_normed, config=c),
-            t_est,
-        )
-        # The host time of the call a compiled graph makes: the cached launch plan where the launcher makes one.
-        made: list = []
-        full = lambda: mm_norm_triton(ra, rb, *args, eps, is_rms, out_dtype, save_normed, config=best,  # noqa: E731
-                                      plan_out=made)
-        h = measure.fused_host_us(lambda: made[0](ra, rb, *args, eps) if made else full(), times[best])
-        ind = baseline.unfused_where_it_counts(a.device, times[best], h, t_est, best.label(),
-                                               baseline.post_norm_fn(ra, rb, *args, eps, is_rms, out_dtype),
-                                               "linear + norm")
-    return measure.make_entry(best, times, t_est, h, ind)
-
-
-def forward_config(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed):
-    """The GemmConfig the launcher runs for these (real) arguments (``measure.tuned_config``)."""
-    return measure.tuned_config(
-        measure.forward_key(a, b, bias, residual, weight, norm_bias, is_rms, out_dtype, save_normed),
-        a.device,
-        lambda: forward_candidates(a, b, b.shape[1], forward_out_bytes(a, residual, out_dtype, save_normed),
-                                   (bias, residual, weight, norm_bias, out_dtype, save_normed)),
-        lambda: measure_forward(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed),
-    )

@@ -1,6 +1,6 @@
 """Triton kernels and launcher for ``fusenorm::mm_norm_backward``: ``dx = norm_backward(dy @ b + extra)``.
 
-Semantics, shapes and dtypes are those of ``mm_norm_backward_reference`` (mm_norm_backward.py):
+Semantics, shapes and dtypes are those of ``mm_norm_backward_reference`` (ops/mm_norm_backward.py):
 dn = dy @ b + extra in fp32, hh = src (``src_is_normed``) or rebuilt from src, mean, rstd; t = dn * w;
 LayerNorm dx = rstd * (t - mean(t) - hh * mean(t * hh)), RMSNorm dx = rstd * (t - hh * mean(t * hh));
 dw = colsum(dn * hh), db = colsum(dn) in fp32 (0-size without weight / bias).
@@ -9,12 +9,13 @@ dw and db are deterministic: each M tile writes its column sums to a [cdiv(M, BL
 (no atomics), summed on the host afterwards. They need no row statistics, so they always come from the
 GEMM kernel.
 
-Kernels as in the forward (mm_norm_kernels.py), chosen per shape by ``backward_config`` (ops/measure.py) among
-``backward_candidates``. On Hopper with TMA-compatible operands: "row" (N <= 256,
-``_mm_norm_bwd_tma_kernel``) and "spin"/"coop" (N > 256, ``_mm_norm_bwd_coop_kernel``: tiles publish their
-row partial sums of t and t * hh; "spin" tiles wait for the row block's others and finish dx from
-registers, "coop" ones store dn and the last to arrive finishes the row block). A config's ``prefetch``
-loads the saved tensor's tile before the K loop. Otherwise the pointer-load kernels:
+Kernels as in the forward (kernels/triton/mm_norm.py), run with the configuration the caller passes
+(``backward_config`` in tuning/mm_norm_backward.py picks it per shape among ``backward_candidates``). On
+Hopper with TMA-compatible operands: "row" (N <= 256, ``_mm_norm_bwd_tma_kernel``) and "spin"/"coop"
+(N > 256, ``_mm_norm_bwd_coop_kernel``: tiles publish their row partial sums of t and t * hh; "spin" tiles
+wait for the row block's others and finish dx from registers, "coop" ones store dn and the last to arrive
+finishes the row block). A config's ``prefetch`` loads the saved tensor's tile before the K loop. Otherwise
+the pointer-load kernels:
 
 - single tile (N <= 256): ``_mm_norm_bwd_fused_kernel`` owns BLOCK_M whole rows: dn in registers, the two
   row means, dx, and the dw/db partials. Grid: cdiv(M, BLOCK_M).
@@ -40,23 +41,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ... import config as settings  # "config" names the GemmConfig arguments here
 from . import mm_norm as mm_norm_kernels
-from ...tuning import baseline, measure
 from .common import (
     FINALIZE_WARPS,
-    TMA_MAX_BLOCK_N,
     GemmConfig,
     cooperative_grid,
-    fixed_candidates,
     dot_input_precision,
     finalize_block_m,
     num_sms,
-    pow2_at_least,
-    spin_allowed,
     tile_coords,
     tile_matmul,
-    tma_config,
     tma_descriptors,
     tma_layout,
     tma_tile,
@@ -65,7 +59,8 @@ from .common import (
 __all__ = ["mm_norm_backward_triton"]
 
 # Test hook: when set (a power of two >= 16), the N tile is this size, so N > _FORCE_BLOCK_N takes the
-# multi-tile path even for small N (the interpreter tests cover both paths with small shapes).
+# multi-tile path even for small N (the interpreter tests cover both paths with small shapes). Read where the
+# configuration is chosen (tuning/mm_norm_backward.py) and by the launch plans' key (ops/mm_norm_backward.py).
 _FORCE_BLOCK_N: Optional[int] = None
 
 
@@ -323,7 +318,7 @@ def _mm_norm_bwd_coop_kernel(
     B_KN: tl.constexpr, N_TILES: tl.constexpr, TILES_P2: tl.constexpr, SPIN: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    """Rows wider than one tile on Hopper: the forward's cooperative finalize (mm_norm_kernels.py,
+    """Rows wider than one tile on Hopper: the forward's cooperative finalize (kernels/triton/mm_norm.py,
     ``_mm_norm_fwd_coop_kernel``) applied to the backward. Each tile (rb, j) computes dn, its dw/db partials
     and its row partial sums (``_mm_norm_bwd_partial_kernel``'s), stores dn in the scratch and bumps the
     row block's counter; the last to arrive sums the row partials and writes dx for the whole row block."""
@@ -426,54 +421,6 @@ def _alloc(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
     return mm_norm_kernels._alloc(shape, dtype, device)
 
 
-def gluon_unsupported(dy, b, extra, src, weight, mean, rstd, dx_dtype) -> Optional[str]:
-    """Why the Gluon sm_90 kernel (kernels/hopper/mm_norm_backward.py) cannot take these inputs; None when it
-    can."""
-    if not settings.gluon:
-        return "off (config.gluon / FUSENORM_GLUON)"
-    if _FORCE_BLOCK_N is not None:
-        return "test hook _FORCE_BLOCK_N set"
-    from ..hopper import _compat
-
-    if _compat.GLUON_ERROR is not None:  # the kernel module itself needs Gluon to import
-        return f"this triton has no usable Gluon ({_compat.GLUON_ERROR})"
-    from ..hopper import mm_norm_backward as hopper
-
-    return hopper.unsupported(dy, b, extra, src, weight, mean, rstd, dx_dtype)
-
-
-def backward_candidates(dy: Tensor, b: Tensor, n: int, out_bytes: int = 2, gluon_args: Optional[tuple] = None
-                        ) -> list[GemmConfig]:
-    """The configurations worth timing for this shape, best guess first (see forward_candidates).
-    ``gluon_args`` (extra, src, weight, mean, rstd, dx_dtype): when given and the Gluon kernel takes these
-    inputs, its configurations come first, then the ``tl`` kernels' best guess."""
-    if gluon_args is not None and gluon_unsupported(dy, b, *gluon_args) is None:
-        from ..hopper import mm_norm_backward as hopper
-
-        gluon = hopper.candidates(dy, b)
-        if gluon:
-            return gluon
-    fixed, bk = fixed_candidates(dy, b, n, _FORCE_BLOCK_N, prefetch=True)
-    if fixed is not None:
-        return fixed
-    bn = pow2_at_least(n)
-    if bn <= TMA_MAX_BLOCK_N:
-        # The epilogue holds dn, hh and t at once (and src across the K loop when prefetched).
-        return [
-            tma_config("row", 128, bn, bk, 3, 8, out_bytes),
-            tma_config("row", 64, bn, bk, 4, 8, out_bytes, prefetch=True),
-            tma_config("row", 64, bn, bk, 3, 4, out_bytes, progs_per_sm=2),
-        ]
-    out = []
-    if spin_allowed(dy.device) and triton.cdiv(n, 128) <= num_sms(dy.device):
-        out = [
-            tma_config("spin", 128, 128, bk, 4, 8, out_bytes),
-            tma_config("spin", 64, 256, bk, 4, 8, out_bytes),
-            tma_config("spin", 64, 256, bk, 4, 8, out_bytes, prefetch=True),
-        ]
-    return out + [tma_config("coop", 64, 256, bk, 4, 8, out_bytes)]
-
-
 def mm_norm_backward_triton(
     dy: Tensor,
     b: Tensor,
@@ -486,16 +433,18 @@ def mm_norm_backward_triton(
     src_is_normed: bool,
     has_bias: bool,
     dx_dtype: torch.dtype,
-    config: Optional[GemmConfig] = None,
+    config: Optional[GemmConfig],
     gemm_only: bool = False,
     plan_out: Optional[list] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dw, db) of ``mm_norm_backward_reference``; inputs already checked by the op.
 
-    ``config``: one of ``backward_candidates``; None asks ``backward_config``. ``gemm_only`` (TMA
-    configs only): dx = dy @ b + extra, no norm (the benchmark's GEMM base). ``plan_out``: where a Gluon
-    launch appends a function that launches the same again on inputs of the same signature
-    (``mm_norm_backward_cuda`` caches it)."""
+    ``config``: the configuration to run, one of tuning/mm_norm_backward.py's ``backward_candidates`` (None
+    only where M = 0: nothing launches). A Gluon one ("gl_*") whose specialization spills registers raises
+    ``SpillError`` (kernels/hopper/mm_norm.py) before launching anything; the op then runs the ``tl`` kernels
+    (ops/mm_norm_backward.py). ``gemm_only`` (TMA configs only): dx = dy @ b + extra, no norm (the
+    benchmark's GEMM base). ``plan_out``: where a Gluon launch appends a function that launches the same again
+    on inputs of the same signature (``mm_norm_backward_cuda`` in ops/mm_norm_backward.py caches it)."""
     m, k = dy.shape
     n = b.shape[1]
     dev = dy.device
@@ -508,25 +457,15 @@ def mm_norm_backward_triton(
         db = torch.zeros((n,) if has_bias else (0,), dtype=f32, device=dev)
         return dx, dw, db
 
-    explicit = config is not None  # a caller timing this config (tuning, tests) hears that it cannot run
-    if config is None:
-        config = backward_config(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype)
     if config.kind.startswith("gl_"):
-        from ..hopper.mm_norm import SpillError
         from ..hopper.mm_norm_backward import BackwardPlan
 
-        try:
-            plan = BackwardPlan(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, config,
-                                lambda shape, dtype: _alloc(shape, dtype, dev), dx)
-            dw, db = plan(dy, b, extra, src, weight, mean, rstd, dx)
-            if plan_out is not None:
-                plan_out.append(_gluon_launcher(plan, m, n, dx_dtype, dev))
-            return dx, dw, db
-        except SpillError:
-            if explicit:
-                raise
-            # the tl kernels' first choice
-            config = backward_candidates(dy, b, n, 4 if dx_dtype == torch.float32 else 2)[0]
+        plan = BackwardPlan(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, config,
+                            lambda shape, dtype: _alloc(shape, dtype, dev), dx)
+        dw, db = plan(dy, b, extra, src, weight, mean, rstd, dx)
+        if plan_out is not None:
+            plan_out.append(_gluon_launcher(plan, m, n, dx_dtype, dev))
+        return dx, dw, db
     if config.kind == "spin" and triton.cdiv(n, config.block_n) > num_sms(dev):
         tiles = triton.cdiv(n, config.block_n)
         raise ValueError(f"{config.label()}: a row block's {tiles} tiles cannot all be resident (spin exchange)")
@@ -617,80 +556,13 @@ def _column_sums(dx, pdw, pdb, has_w, has_bias, dev):
     return dx, dw, db
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Which configuration runs: measured per shape (ops/measure.py)
-# ----------------------------------------------------------------------------------------------------------
-
-
-def measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype) -> dict:
-    """Every candidate timed on random inputs like the (possibly fake) arguments, and the unfused side:
-    Inductor's own code for it (ops/baseline.py) where that can turn the verdict, else the estimate: cuBLAS's
-    data-gradient GEMM plus a norm backward at copy speed (it reads dn and the saved tensor and writes dx;
-    row sums stay on chip)."""
-    with measure.RealInputs():
-        rdy, rb, rextra, rsrc, rw, rmean, rstd_r = measure.real_gemm_operands(dy, b, extra, src, weight, mean, rstd)
-        rstd_r = rstd_r.abs_() + 0.5
-        t_mm = measure.gemm_ms(rdy, rb, None)
-        t_est = measure.plus(t_mm, measure.norm_proxy_ms(rdy.shape[0], rb.shape[1], rdy.dtype, 3, dy.device))
-        best, times = measure.time_candidates(
-            backward_candidates(rdy, rb, rb.shape[1], 4 if dx_dtype == torch.float32 else 2,
-                                (rextra, rsrc, rw, rmean, rstd_r, dx_dtype)),
-            lambda c: mm_norm_backward_triton(
-                rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms, src_is_normed, has_bias, dx_dtype, config=c
-            ),
-            t_est,
-        )
-        # The host time of the call a compiled graph makes: the cached launch plan where the launcher makes one.
-        made: list = []
-        full = lambda: mm_norm_backward_triton(  # noqa: E731
-            rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms, src_is_normed, has_bias, dx_dtype, config=best,
-            plan_out=made)
-        h = measure.fused_host_us(lambda: made[0](rdy, rb, rextra, rsrc, rw, rmean, rstd_r) if made else full(),
-                                  times[best])
-        ind = baseline.unfused_where_it_counts(
-            dy.device, times[best], h, t_est, best.label(),
-            baseline.dgrad_norm_fn(rdy, rb, rextra, rsrc, rw, rmean, rstd_r, is_rms, src_is_normed, has_bias,
-                                   dx_dtype),
-            "data-gradient GEMM + norm backward")
-    return measure.make_entry(best, times, t_est, h, ind)
-
-
-def backward_config(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype):
-    """The GemmConfig the launcher runs for these (real) arguments (``measure.tuned_config``)."""
-    return measure.tuned_config(
-        measure.backward_key(dy, b, extra, src, weight, is_rms, src_is_normed, has_bias, dx_dtype),
-        dy.device,
-        lambda: backward_candidates(dy, b, b.shape[1], 4 if dx_dtype == torch.float32 else 2,
-                                    (extra, src, weight, mean, rstd, dx_dtype)),
-        lambda: measure_backward(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype),
-    )
-
-
-_PLANS: dict[tuple, Callable] = {}  # plan_key -> launcher (mm_norm_backward_cuda)
-
-
 def _gluon_launcher(plan, m: int, n: int, dx_dtype, dev) -> Callable:
+    """What ``plan_out`` receives from a Gluon launch: the plan relaunched on new inputs of the same signature,
+    into a fresh dx."""
+
     def launch(dy, b, extra, src, weight, mean, rstd):
         dx = _alloc((m, n), dx_dtype, dev)
         dw, db = plan(dy, b, extra, src, weight, mean, rstd, dx)
         return dx, dw, db
 
     return launch
-
-
-def mm_norm_backward_cuda(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype, check):
-    """The CUDA kernel of ``fusenorm::mm_norm_backward`` as compiled graphs call it (as mm_norm_cuda): the
-    launch plan cached for this argument signature, else ``check()`` and the full launcher, whose plan is
-    kept when it made one (the Gluon path; not while a CUDA graph is captured)."""
-    key = measure.plan_key((dy, b, extra, src, weight, mean, rstd), is_rms, src_is_normed, has_bias, dx_dtype,
-                           settings.gluon, _FORCE_BLOCK_N)
-    plan = _PLANS.get(key)
-    if plan is not None:
-        return plan(dy, b, extra, src, weight, mean, rstd)
-    check()
-    made: list = []
-    out = mm_norm_backward_triton(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype,
-                                  plan_out=made)
-    if made and not torch.cuda.is_current_stream_capturing():
-        _PLANS[key] = made[0]
-    return out

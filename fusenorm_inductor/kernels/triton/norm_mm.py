@@ -1,6 +1,6 @@
 """Triton kernels and launcher for ``fusenorm::norm_mm`` ("Lazy Pre-Norm"): ``c = norm(a) @ b + bias``.
 
-Semantics are those of ``norm_mm_reference`` (norm_mm.py): the norm runs over a's K columns in fp32, its affine
+Semantics are those of ``norm_mm_reference`` (ops/norm_mm.py): the norm runs over a's K columns in fp32, its affine
 (weight, norm_bias) applies before the GEMM, the GEMM accumulates in fp32, c is rounded once to ``out_dtype``;
 mean (fp32 [M], 0-size for RMSNorm) and rstd (fp32 [M]) are returned for the backward.
 
@@ -37,7 +37,9 @@ rounds a and b' to TF32 (u = 2^-11) while mean and colsum are exact fp32, so the
 ~u * |mean| * rstd * sum_k |b'_k| behind: like the unfused TF32 GEMM of y when |mean| <~ std, |mean| / std
 times worse beyond. (16-bit operands are exact in the MMA; only fp32 accumulation rounds.)
 
-The kernels behind ``norm_mm_triton``; ``prenorm_candidates`` lists the configurations (``GemmConfig``):
+The kernels behind ``norm_mm_triton``, which runs the configuration (``GemmConfig``) it is given and asks
+no tuning: the op's CUDA path (ops/norm_mm.py) passes the one ``prenorm_config`` picks among
+``prenorm_candidates`` (tuning/norm_mm.py, which also holds the tile sizes quoted below):
 - kind "tma" (Hopper, 16-bit, ``tma_layout`` not None: A row-major, b' = W.T of a row-major weight or a
   row-major [K, N], 16-byte aligned rows): ``_norm_mm_fwd_tma_kernel``, a persistent TMA-fed kernel (host-side
   descriptors; out-of-bounds boxes read as 0) with one flattened loop over (row block, N tile) tiles, N tiles
@@ -49,11 +51,13 @@ The kernels behind ``norm_mm_triton``; ``prenorm_candidates`` lists the configur
   64 x 256); c leaves through a TMA store when its row pitch allows (``tma_store_ok``), else, or when the
   compiler reports the staging tile does not fit (OutOfResources, remembered), through pointer stores.
 - kinds "gl_coop" / "gl_pp" / "gl_rows" (sm_90, 16-bit, TMA-readable operands, output in a's dtype;
-  ``gluon_unsupported``): the Gluon GEMM core with its row-statistics mainloop (kernels/hopper/norm_mm.py),
-  first among the candidates, on operands folded in one launch (``fold_one_launch``); a specialization that
-  spills is never launched (the tl kernels' first choice runs instead).
+  ``gluon_unsupported`` in tuning/norm_mm.py): the Gluon GEMM core with its row-statistics mainloop
+  (kernels/hopper/norm_mm.py), first among the candidates, on operands folded in one launch
+  (``fold_one_launch``); a specialization that spills is never launched: the launcher raises ``SpillError``
+  (kernels/hopper/mm_norm.py) and the op runs the tl kernels' first choice instead.
 - kind "ptr": ``_norm_mm_fwd_kernel``, masked pointer loads, any strides and dtypes (fp32 too), one program
-  per tile. It runs in the CPU interpreter; the TMA kernel does too when ``_triton_common._FORCE_TMA``.
+  per tile (``pointer_config``). It runs in the CPU interpreter; the TMA kernel does too when
+  ``common._FORCE_TMA`` (kernels/triton/common.py).
 """
 
 from __future__ import annotations
@@ -65,10 +69,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ... import config as settings  # "config" names the GemmConfig arguments here
-from ...tuning import baseline, measure
 from .common import (
-    TMA_MAX_BLOCK_N,
     GemmConfig,
     dot_input_precision,
     gemm_num_warps,
@@ -76,21 +77,16 @@ from .common import (
     num_sms,
     pow2_at_least,
     tensor_descriptor,
-    tma_config,
     tma_descriptors,
     tma_layout,
 )
 
-__all__ = ["fold_norm_affine", "norm_mm_triton", "normed_triton", "prenorm_candidates"]
+__all__ = ["fold_norm_affine", "fold_one_launch", "norm_mm_triton", "normed_triton", "pointer_config"]
 
 
-TMA_BLOCK_M = 128
-TMA_BLOCK_K = 64
-TMA_WARPS = 8
-TMA_STAGES = 3
 PTR_BLOCK_N = 128  # widest N tile of the pointer kernel (a 128 x 128 fp32 accumulator at 8 warps)
 # Row sums as [BLOCK_M, BLOCK_K] partials (True) or reduced every K step (False); None: ``_tile_sums`` decides.
-# A probe hook (benchmarks/probe_prenorm.py); tests leave it None.
+# A probe hook (benchmarks/probes/probe_prenorm.py); tests leave it None.
 TILE_SUMS_OVERRIDE: Optional[bool] = None
 
 
@@ -470,7 +466,7 @@ def fold_norm_affine(
     return b_fold, bias_fold, colsum
 
 
-def _pointer_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemmConfig:
+def pointer_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemmConfig:
     """The pointer kernel's tile: N tiles up to 128 wide, 128 rows (64 when 128-row tiles would leave SMs
     idle, or for short inputs), BLOCK_K 64 (32 for fp32, whose operands take twice the shared memory)."""
     bn = min(PTR_BLOCK_N, pow2_at_least(n))
@@ -481,65 +477,6 @@ def _pointer_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.de
     # against bf16's 0.03, K = 64-256) where the loaded A tile feeds both the MMA and the row sums;
     # single-buffered it is right (scratch probe, 2026-11-29). This is the fallback path (non-TMA layouts).
     return GemmConfig("ptr", bm, bn, bk, 1, gemm_num_warps(bm, bn))
-
-
-def _tma_block_ns(m: int, n: int, device: torch.device) -> list[int]:
-    """N tiles of the TMA kernel, best guess first: 256 (the widest TMA box and wgmma N) unless it pads N
-    more than 128 does, or its tiles would not fill the SMs once; then 128."""
-    if n <= 128:
-        return [128]
-    row_blocks = triton.cdiv(m, TMA_BLOCK_M)
-    narrow_first = (
-        triton.cdiv(n, 128) * 128 < triton.cdiv(n, TMA_MAX_BLOCK_N) * TMA_MAX_BLOCK_N
-        or row_blocks * triton.cdiv(n, TMA_MAX_BLOCK_N) < num_sms(device)
-    )
-    return [128, TMA_MAX_BLOCK_N] if narrow_first else [TMA_MAX_BLOCK_N, 128]
-
-
-def gluon_unsupported(a: Tensor, b: Tensor, out_dtype) -> Optional[str]:
-    """Why the Gluon sm_90 kernel (kernels/hopper/norm_mm.py) cannot take these inputs; None when it can."""
-    if not settings.gluon:
-        return "off (config.gluon / FUSENORM_GLUON)"
-    from ..hopper import _compat
-
-    if _compat.GLUON_ERROR is not None:  # the kernel module itself needs Gluon to import
-        return f"this triton has no usable Gluon ({_compat.GLUON_ERROR})"
-    from ..hopper import norm_mm as hopper
-
-    return hopper.unsupported(a, b, out_dtype)
-
-
-def prenorm_candidates(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> list[GemmConfig]:
-    """The configurations worth timing for ``norm_mm_triton(a, b, ...)``, best guess first (``tuning``
-    times them on CUDA; without tuning the first one runs). b may be b or b' (same layout).
-
-    The Gluon kernel's configurations come first where it takes the inputs, then the tl kernels' first
-    choice. Of the tl kernels, where N spans several tiles and the row blocks fill the SMs, the row-block walk
-    ("tma_rows": statistics once per row block) comes first, the flattened walk ("tma": statistics per
-    tile) after it."""
-    if a.shape[0] and b.shape[1] and gluon_unsupported(a, b, out_dtype) is None:
-        from ..hopper import norm_mm as hopper
-
-        gluon = hopper.candidates(a, b)
-        if gluon:
-            return gluon + _tl_candidates(a, b, out_dtype)[:1]
-    return _tl_candidates(a, b, out_dtype)
-
-
-def _tl_candidates(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> list[GemmConfig]:
-    m, k = a.shape
-    n = b.shape[1]
-    if n == 0 or tma_layout(a, b) is None:
-        return [_pointer_config(m, n, k, a.dtype, a.device)]
-    bk = min(TMA_BLOCK_K, pow2_at_least(k))
-    out_bytes = out_dtype.itemsize
-    cands = []
-    for bn in _tma_block_ns(m, n, a.device):
-        flat = tma_config("tma", TMA_BLOCK_M, bn, bk, TMA_STAGES, TMA_WARPS, out_bytes)
-        if triton.cdiv(n, bn) > 1 and triton.cdiv(m, flat.block_m) >= num_sms(a.device):
-            cands.append(flat._replace(kind="tma_rows"))
-        cands.append(flat)
-    return cands
 
 
 def _tile_sums(config: GemmConfig, is_rms: bool) -> bool:
@@ -560,15 +497,17 @@ def norm_mm_triton(
     norm_bias: Optional[Tensor],
     eps: float,
     is_rms: bool,
-    out_dtype: Optional[torch.dtype] = None,
-    config: Optional[GemmConfig] = None,
+    out_dtype: Optional[torch.dtype],
+    config: GemmConfig,
     plan_out: Optional[list] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(c, mean, rstd) of ``norm_mm_reference``; inputs already checked by the op.
 
-    ``config``: one of ``prenorm_candidates``; None asks ``prenorm_config`` (measured and cached on
-    CUDA, else the first candidate). ``plan_out``: where a Gluon launch appends a function that launches the
-    same again on inputs of the same signature (``norm_mm_cuda`` caches it).
+    ``config``: one of ``prenorm_candidates`` (tuning/norm_mm.py). A Gluon one ("gl_*") whose specialization
+    spills raises ``SpillError`` (kernels/hopper/mm_norm.py) without launching the Gluon kernel: a caller
+    timing it hears that it cannot run, and the op's CUDA path runs the tl kernels' first choice instead
+    (ops/norm_mm.py). ``plan_out``: where a Gluon launch appends a function that launches the same again on
+    inputs of the same signature (``norm_mm_cuda`` in ops/norm_mm.py caches it).
     """
     m, k = a.shape
     n = b.shape[1]
@@ -582,23 +521,14 @@ def norm_mm_triton(
     rstd = _alloc((m,), f32, dev)
     if m == 0:
         return c, mean, rstd
-    explicit = config is not None  # a caller timing this config (tuning, tests) hears that it cannot run
-    if config is None:
-        config = prenorm_config(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype)
     if config.kind.startswith("gl_"):
-        from ..hopper.mm_norm import SpillError
         from ..hopper.norm_mm import norm_mm_gluon
 
-        try:
-            b_one, bias_one, colsum_one = fold_one_launch(b, bias, weight, norm_bias, is_rms)
-            plan = norm_mm_gluon(a, b_one, bias_one, colsum_one, eps, is_rms, c, mean, rstd, config)
-            if plan_out is not None:
-                plan_out.append(_gluon_launcher(plan, m, n, out_dtype, is_rms, dev))
-            return c, mean, rstd
-        except SpillError:
-            if explicit:
-                raise
-            config = _tl_candidates(a, b, out_dtype)[0]
+        b_one, bias_one, colsum_one = fold_one_launch(b, bias, weight, norm_bias, is_rms)
+        plan = norm_mm_gluon(a, b_one, bias_one, colsum_one, eps, is_rms, c, mean, rstd, config)
+        if plan_out is not None:
+            plan_out.append(_gluon_launcher(plan, m, n, out_dtype, is_rms, dev))
+        return c, mean, rstd
     b_fold, bias_fold, colsum = fold_norm_affine(b, bias, weight, norm_bias, a.dtype, is_rms)
     bias_stride = bias_fold.stride(0) if bias_fold is not None else 0
     flags = dict(HAS_BIAS=bias_fold is not None, IS_RMS=is_rms)
@@ -626,7 +556,7 @@ def norm_mm_triton(
         return c, mean, rstd
     if tma:
         # A TMA config for operands TMA cannot read (or N == 0): the pointer kernel's own tile instead.
-        config = _pointer_config(m, n, k, a.dtype, dev)
+        config = pointer_config(m, n, k, a.dtype, dev)
         bm, bn, bk = config.block_m, config.block_n, config.block_k
     # N == 0 still launches one N tile per row block: mean and rstd must be written.
     n_tiles_n = max(1, triton.cdiv(n, bn))
@@ -641,27 +571,9 @@ def norm_mm_triton(
     return c, mean, rstd
 
 
-_PLANS: dict[tuple, Callable] = {}  # plan_key -> launcher (norm_mm_cuda)
-
-
-def norm_mm_cuda(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype, check):
-    """The CUDA kernel of ``fusenorm::norm_mm`` as compiled graphs call it: the launch plan cached for this
-    argument signature (no validation, tuning lookup or JIT specialization per call), else ``check()`` and
-    the full launcher, whose plan is kept when it made one (the Gluon path; not while a CUDA graph is
-    captured, where the tuner could not measure)."""
-    key = measure.plan_key((a, b, bias, weight, norm_bias), eps, is_rms, out_dtype, settings.gluon)
-    plan = _PLANS.get(key)
-    if plan is not None:
-        return plan(a, b, bias, weight, norm_bias)
-    check()
-    made: list = []
-    out = norm_mm_triton(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype, plan_out=made)
-    if made and not torch.cuda.is_current_stream_capturing():
-        _PLANS[key] = made[0]
-    return out
-
-
 def _gluon_launcher(plan, m: int, n: int, out_dtype, is_rms: bool, dev) -> Callable:
+    """What ``plan_out`` receives: the Gluon plan launched again on fresh outputs, the operands folded by the
+    fold kernel compiled on the first call (no JIT argument binding per call)."""
     fold: list = []  # the fold kernel compiled for this signature, on the first call
 
     def launch(a, b, bias, weight, norm_bias):
@@ -689,48 +601,3 @@ def normed_triton(a: Tensor, mean: Optional[Tensor], rstd: Tensor, weight: Optio
         num_warps=4,
     )
     return y
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Which configuration runs: measured per shape (ops/measure.py)
-# ----------------------------------------------------------------------------------------------------------
-
-
-def unfused_norm_ms(a: Tensor) -> Optional[float]:
-    """The unfused pre-norm's time: Inductor's norm reads x and writes y, [M, K] each, at copy speed (None
-    when the bandwidth probe failed)."""
-    return measure.norm_proxy_ms(a.shape[0], a.shape[1], a.dtype, 2, a.device)
-
-
-def measure_prenorm(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype) -> dict:
-    """Every candidate timed on random inputs like the (possibly fake) arguments, and the unfused side:
-    Inductor's own code for the subgraph (ops/baseline.py), else the estimate (the norm at copy speed plus
-    cuBLAS's GEMM)."""
-    with measure.RealInputs():
-        ra, rb, rbias, rw, rnb = measure.real_gemm_operands(a, b, bias, weight, norm_bias)
-        t_mm = measure.gemm_ms(ra, rb, rbias)
-        t_est = measure.plus(t_mm, unfused_norm_ms(a))
-        best, times = measure.time_candidates(
-            prenorm_candidates(ra, rb, out_dtype or ra.dtype),
-            lambda c: norm_mm_triton(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype, config=c),
-            t_est,
-        )
-        # The host time of the call a compiled graph makes: the cached launch plan where the launcher makes one.
-        made: list = []
-        full = lambda: norm_mm_triton(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype, config=best,  # noqa: E731
-                                      plan_out=made)
-        h = measure.fused_host_us(lambda: made[0](ra, rb, rbias, rw, rnb) if made else full(), times[best])
-        ind = baseline.unfused_where_it_counts(a.device, times[best], h, t_est, best.label(),
-                                               baseline.pre_norm_fn(ra, rb, rbias, rw, rnb, eps, is_rms, out_dtype),
-                                               "norm + linear")
-    return measure.make_entry(best, times, t_est, h, ind)
-
-
-def prenorm_config(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype):
-    """The GemmConfig the launcher runs for these (real) arguments (``measure.tuned_config``)."""
-    return measure.tuned_config(
-        measure.prenorm_key(a, b, bias, weight, norm_bias, is_rms, out_dtype),
-        a.device,
-        lambda: prenorm_candidates(a, b, out_dtype or a.dtype),
-        lambda: measure_prenorm(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype),
-    )
