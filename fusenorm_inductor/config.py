@@ -61,7 +61,7 @@ def _warn_unknown_env(known: list) -> None:
 
 # Run fusenorm's passes under plain ``torch.compile(model)`` (backend="inductor"). Setting it (directly,
 # with ``patch``, or through ``fusenorm_inductor.enable()`` / ``disable()``) installs or uninstalls the passes
-# in Inductor's config at once; graphs compiled before keep their code until ``torch._dynamo.reset()``.
+# in Inductor's config at once (through the hook passes.py registers with ``on_enabled``); graphs compiled before keep their code until ``torch._dynamo.reset()``.
 # FUSENORM_ENABLE=1 installs them when the package is imported. ``backend="fusenorm"`` ignores it.
 enabled: bool = Config(default=_env_bool("FUSENORM_ENABLE", False))
 
@@ -117,14 +117,15 @@ spin_exchange: bool = Config(default=_env_bool("FUSENORM_SPIN_EXCHANGE", True))
 
 
 class tuning:
-    """Per-shape measurements on the GPU (ops/measure.py): which kernel configuration runs, and whether a match
-    is fused at all (ops/tuning.py: only when the fused kernel beats Inductor's own code for the subgraph there)."""
+    """Per-shape measurements on the GPU (tuning/measure.py): which kernel configuration runs, and whether a match
+    is fused at all (tuning/decide.py: only when the fused kernel beats Inductor's own code for the subgraph
+    there)."""
 
     # Measure on CUDA (once per shape, cached on disk). Off: every match is fused with the kernels' first
     # candidate configuration (the tests do this, so that small shapes are fused and checked).
     measure: bool = Config(default=_env_bool("FUSENORM_TUNE", True))
     # Time the unfused side of the decisions as Inductor's own compiled code for the matched
-    # subgraph (ops/baseline.py: one small Inductor compile per shape, cached with the measurements). Off:
+    # subgraph (tuning/baseline.py: one small Inductor compile per shape, cached with the measurements). Off:
     # estimate it as cuBLAS + a norm at copy speed (no nested compile).
     measure_inductor: bool = Config(default=_env_bool("FUSENORM_TUNE_INDUCTOR", True))
     # Where measurements are kept across processes; None = ~/.cache/fusenorm.
@@ -145,6 +146,11 @@ class tuning:
     # kernel measured 42% faster than Inductor's pair ran no faster there, and one 19% faster ran 8% slower
     # (benchmarks/results/host_cost_h200.json). 0 ignores host times.
     host_weight: float = 2.0
+    # Under torch.distributed, rank 0 makes every fuse decision (from its cache or by measuring) and broadcasts
+    # it, so all ranks compile the same graphs. This needs every rank to compile the same graphs in the same
+    # order (SPMD training, as with DDP or FSDP); turn it off where ranks compile different graphs (then each
+    # rank decides alone, and timings can make them decide differently).
+    agree_across_ranks: bool = Config(default=_env_bool("FUSENORM_AGREE_ACROSS_RANKS", True))
     # Milliseconds per CUDA-graph replay of a timed candidate (triton's do_bench_cudagraph replays 10 times,
     # so a candidate costs the first compile ~10x this): short, since the decisions only need the medians'
     # spread well inside the margins above.
@@ -161,18 +167,61 @@ del _ENV_VARS
 install_config_module(sys.modules[__name__])
 
 
+def on_enabled(hook) -> None:
+    """Register ``hook(value)``, called when ``enabled`` is set (directly, by ``patch`` or by ``enable()``),
+    before the value is stored: passes.py registers the installation of its passes here, so that this module
+    holds data only and imports nothing of fusenorm's. A hook that raises leaves the option as it was."""
+    _FusenormConfigModule.enabled_hooks.append(hook)
+
+
+def _number(lo: float, hi: float | None = None, lo_open: bool = False):
+    """A check for a real number in [lo, hi) ((lo, hi) with ``lo_open``; no upper bound where hi is None)."""
+
+    def check(v: object) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            return False
+        return (v > lo if lo_open else v >= lo) and (hi is None or v < hi)
+
+    return check
+
+
+def _path_or_none(v: object) -> bool:
+    return v is None or isinstance(v, (str, os.PathLike))
+
+
+# What each non-boolean option takes (every other option is a bool): (check, what the error says it must be).
+_VALUES = {
+    "debug_dir": (_path_or_none, "a directory path (str or os.PathLike) or None"),
+    "tuning.cache_dir": (_path_or_none, "a directory path (str or os.PathLike) or None"),
+    "tuning.margin": (_number(0.0, 1.0), "a fraction in [0, 1)"),
+    "tuning.margin_gluon": (_number(0.0, 1.0), "a fraction in [0, 1)"),
+    "tuning.host_weight": (_number(0.0), "a number >= 0"),
+    "tuning.rep_ms": (_number(0.0, lo_open=True), "a number of milliseconds > 0"),
+}
+
+
+def _checked(name: str, value: object) -> object:
+    """``value`` as the option ``name`` stores it (paths as str), or ValueError naming the option, the value
+    and what it takes: a wrong type (``enabled = "no"``, which Python would read as true) is refused, not
+    coerced."""
+    check, what = _VALUES.get(name, (lambda v: isinstance(v, bool), "True or False"))
+    if not check(value):
+        raise ValueError(f"fusenorm: config.{name} = {value!r} is not valid: it must be {what}")
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
 class _FusenormConfigModule(type(sys.modules[__name__])):
-    """The installed config module, plus: setting ``enabled`` installs or uninstalls fusenorm's passes in
-    Inductor's config (``patch`` sets it on entry and back on exit, so it does the same)."""
+    """The installed config module, plus: every value is checked when set (``_checked``; ``patch`` sets
+    through here too), and setting ``enabled`` runs the hooks of ``on_enabled`` first."""
+
+    enabled_hooks: list = []
 
     def __setattr__(self, name: str, value: object) -> None:
+        if name in self._config:  # unknown names: the config module's own AttributeError
+            value = _checked(name, value)
         if name == "enabled":
-            from . import passes
-
-            if value:  # first: a failure leaves the option as it was
-                passes.install()
-            else:
-                passes.uninstall()
+            for hook in self.enabled_hooks:
+                hook(value)
         super().__setattr__(name, value)
 
 

@@ -6,7 +6,7 @@ kernel launch itself, and a compiled graph needs neither. The joint graph the pa
 the backward, so the ops in the forward and backward graphs never run autograd, and Inductor has fixed their
 arguments' layouts (the fake kernels checked them at compile time).
 
-So each op of ``_OPS`` keeps Inductor's own fallback lowering (the layout constraint Inductor's implicit
+So each op registered here (``register``) keeps Inductor's own fallback lowering (the layout constraint Inductor's implicit
 fallback gives a custom op, the fake kernel, the outputs) with one change: the line the wrapper writes calls
 ``extern_kernels.fusenorm_<op>``, a plain function that runs the op's CUDA kernel for CUDA tensors and the
 op itself on any other device (under the profiler the CUDA call is recorded as ``fusenorm::<op>``, as a
@@ -17,7 +17,6 @@ process (the backend and ``enable()`` run it). The C++ wrapper (AOTInductor) and
 
 from __future__ import annotations
 
-import importlib
 import logging
 from typing import Callable
 
@@ -25,13 +24,9 @@ import torch
 
 log = logging.getLogger("fusenorm")
 
-# op name -> (module, attribute) of the op's CUDA kernel: what the dispatcher would call for CUDA tensors.
-_OPS = {
-    "mm_norm": ("fusenorm_inductor.ops.mm_norm", "_cuda"),
-    "mm_norm_backward": ("fusenorm_inductor.ops.mm_norm_backward", "_cuda"),
-    "norm_mm": ("fusenorm_inductor.ops.norm_mm", "_cuda"),
-    "mm_normed": ("fusenorm_inductor.ops.norm_mm", "_cuda_normed"),
-}
+# op name -> the op's CUDA function (what the dispatcher would call for CUDA tensors), registered by the op's
+# module (``register``); this module imports none of them.
+_OPS: dict[str, Callable] = {}
 
 PREFIX = "fusenorm_"
 _installed: list = []  # [True] once install() has run, [True, "ok"] once it succeeded
@@ -58,9 +53,16 @@ def wrap(qualname: str, cuda_fn: Callable, op: Callable) -> Callable:
     return call
 
 
+def register(op_name: str, cuda_fn: Callable) -> None:
+    """Let compiled graphs call ``torch.ops.fusenorm.<op_name>`` straight into ``cuda_fn`` (the op's module
+    calls this once it has defined the op); an op registered after ``install`` is installed at once."""
+    _OPS[op_name] = cuda_fn
+    if _installed == [True, "ok"]:
+        _install_op(op_name)
+
+
 def _direct(op_name: str) -> Callable:
-    module, attr = _OPS[op_name]
-    cuda_fn = getattr(importlib.import_module(module), attr)
+    cuda_fn = _OPS[op_name]
     call = wrap(f"fusenorm::{op_name}", cuda_fn, getattr(torch.ops.fusenorm, op_name).default)
     call.__name__ = call.__qualname__ = call_name(op_name)
     return call
@@ -100,30 +102,33 @@ def _lowering(op, name: str, inner: Callable) -> Callable:
     return handler
 
 
+def _install_op(op_name: str) -> None:
+    from torch._inductor import lowering
+    from torch._inductor.select_algorithm import extern_kernels
+    from torch._library.utils import get_layout_constraint_tag
+
+    op = getattr(torch.ops.fusenorm, op_name).default
+    name = call_name(op_name)
+    setattr(extern_kernels, name, _direct(op_name))
+    if op not in lowering.lowerings:
+        # What GraphLowering.call_function does for a custom op it meets without a lowering.
+        constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+        lowering.make_fallback(op, layout_constraint=constraint, warn=False)
+    inner = lowering.lowerings[op]
+    if not getattr(inner, "_fusenorm_direct", False):
+        lowering.lowerings[op] = _lowering(op, name, inner)
+
+
 def install() -> None:
-    """Put the direct calls on ``extern_kernels`` and Inductor's lowerings of the ops on them (once per process;
-    where this torch's Inductor lacks a piece, the ops keep their dispatcher calls)."""
+    """Put the direct calls on ``extern_kernels`` and Inductor's lowerings of the registered ops on them (once
+    per process; the callers import ``fusenorm_inductor.ops`` first, which registers every op; where this
+    torch's Inductor lacks a piece, the ops keep their dispatcher calls)."""
     if _installed:
         return
     _installed.append(True)
     try:
-        from torch._inductor import lowering
-        from torch._inductor.select_algorithm import extern_kernels
-        from torch._library.utils import get_layout_constraint_tag
-
-        from . import ops  # noqa: F401  (registers the ops)
-
         for op_name in _OPS:
-            op = getattr(torch.ops.fusenorm, op_name).default
-            name = call_name(op_name)
-            setattr(extern_kernels, name, _direct(op_name))
-            if op not in lowering.lowerings:
-                # What GraphLowering.call_function does for a custom op it meets without a lowering.
-                constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
-                lowering.make_fallback(op, layout_constraint=constraint, warn=False)
-            inner = lowering.lowerings[op]
-            if not getattr(inner, "_fusenorm_direct", False):
-                lowering.lowerings[op] = _lowering(op, name, inner)
+            _install_op(op_name)
         _installed.append("ok")
     except Exception as e:  # noqa: BLE001 - another torch: the dispatcher path stays, slower on the host only
         log.info("fusenorm: direct graph calls unavailable on this torch (%s: %s)", type(e).__name__, e)

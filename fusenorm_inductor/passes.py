@@ -91,7 +91,7 @@ class FusenormPass(CustomGraphPass):
             return
 
         rep = report.for_stage(self.stage)
-        dumps_before = _debug_aid(lambda: _render_parts(graph, self.stage), "graph dump") if config.debug_dir else None
+        dumps_before = _debug_aid(lambda: _render_parts(graph, self.stage), "graph dump", rep) if config.debug_dir else None
         backup = _copy_graph(graph) if config.fallback_on_error else None
         recorded = (len(rep.rewrites), len(rep.skips))
         try:
@@ -133,27 +133,30 @@ class FusenormPass(CustomGraphPass):
                     rep.errors.append(msg)
                     warnings.warn(f"fusenorm: {msg}")
         if config.debug_dir:
-            after = _debug_aid(lambda: _render_parts(graph, self.stage), "graph dump") or {}
+            after = _debug_aid(lambda: _render_parts(graph, self.stage), "graph dump", rep) or {}
             rep.dumps.update({f"{part}.before.py": text for part, text in (dumps_before or {}).items()})
             rep.dumps.update({f"{part}.after.py": text for part, text in after.items()})
         log.info(rep.summary(self.stage))
-        _debug_aid(rep.write, "writing the match report")
+        _debug_aid(rep.write, "debug dumps", rep)
 
     def uuid(self) -> Any:
         # Source of every pass, pattern and op, plus the config: any change compiles afresh.
         return (self.stage, get_hash_for_files(_source_files()).hex(), config.get_hash().hex())
 
 
-def _debug_aid(fn: Callable[[], Any], what: str) -> Any:
-    """Run a debugging aid (graph dumps, the report files). A failure there (``debug_dir`` unwritable or
-    not a directory, a graph the renderer cannot print) warns instead of failing the user's compile, as a
-    failed pass does (the rewrites stand: they were made); with ``fallback_on_error`` off it raises."""
+def _debug_aid(fn: Callable[[], Any], what: str, rep: report.GraphReport) -> Any:
+    """Run a debugging aid (rendering the graphs, writing the dumps and report files). A failure there
+    (``debug_dir`` unwritable, not a directory or behind a symbolic link, a graph the renderer cannot print)
+    warns, once per graph and reason, instead of failing the user's compile, as a failed pass does (the
+    rewrites stand: they were made); with ``fallback_on_error`` off it raises."""
     try:
         return fn()
     except Exception as e:
         if not config.fallback_on_error:
             raise
-        warnings.warn(f"fusenorm: {what} failed ({type(e).__name__}: {e}); the compile goes on")
+        where = f" in {config.debug_dir}" if what == "debug dumps" else ""
+        rep.warn_once(f"{what} of graph {rep.graph_id} not written{where}: {type(e).__name__}: {e}; "
+                      f"the compile goes on")
         return None
 
 
@@ -202,15 +205,30 @@ def _contains(slot_value: Any, ours: FusenormPass) -> bool:
     return False
 
 
+def _slots_take_lists() -> bool:
+    """Whether this torch runs a list of passes per Inductor slot (torch 2.11 takes one: ChainedPass then)."""
+    from torch._inductor import custom_graph_pass
+
+    return hasattr(custom_graph_pass, "get_custom_graph_passes")
+
+
 def chain(existing: Any, ours: FusenormPass) -> Any:
-    """The slot value that runs ``existing`` (a user's pass, a list of them, or None) and then ours."""
+    """The slot value that runs ``existing`` (a user's pass, a list of them, or None) and then ours: a list
+    where torch takes one, so that what torch says about the user's pass (its cache warnings) names that
+    pass and not a wrapper of ours."""
     if existing is None:
         return ours
     if _contains(existing, ours):
         return existing
     if isinstance(existing, (list, tuple)):
         return [*existing, ours]
+    if _slots_take_lists():
+        return _Pair([existing, ours])
     return ChainedPass(existing, ours)
+
+
+class _Pair(list):
+    """[a user's single pass, ours]: ``unchain`` gives back the single pass, as the user set it."""
 
 
 def unchain(existing: Any, ours: FusenormPass) -> Any:
@@ -222,6 +240,8 @@ def unchain(existing: Any, ours: FusenormPass) -> Any:
         if first is None or second is None:
             return first if second is None else second
         return ChainedPass(first, second)
+    if isinstance(existing, _Pair):
+        return next((p for p in existing if p is not ours), None)
     if isinstance(existing, list):
         return [p for p in existing if p is not ours] or None
     return existing
@@ -242,6 +262,18 @@ def uninstall() -> None:
 
     for slot, ours in SLOTS.items():
         setattr(inductor_config, slot, unchain(getattr(inductor_config, slot), ours))
+
+
+def _on_enabled(value: object) -> None:
+    """``config.enabled`` was set: install or uninstall the passes (before the value is stored, so that a
+    failing install leaves the option as it was)."""
+    if value:
+        install()
+    else:
+        uninstall()
+
+
+config.on_enabled(_on_enabled)
 
 
 def config_patches(options: Optional[dict]) -> dict:

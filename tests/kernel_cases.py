@@ -5,9 +5,11 @@ test_kernels_cuda.py on CUDA (realistic shapes, bf16/fp16/fp32). Each file keeps
 shapes, skip conditions and the tests of its own; the inputs, references and checks are the ones here.
 
 This module imports the kernel modules: a test file imports it only after its skips and environment setup
-(the interpreter file sets TRITON_INTERPRET before any kernel module is imported). The kernel launchers and
-gemm_config are looked up on their modules at call time, so a module reloaded after this import is the one
-that runs.
+(the interpreter file sets TRITON_INTERPRET before any kernel module is imported). The kernels run as the ops'
+CUDA path runs them, through ``mm_norm_tuned`` / ``mm_norm_backward_tuned`` (ops/mm_norm.py,
+ops/mm_norm_backward.py: the configuration from tuning, then the kernels' launcher, no launch plan kept),
+which look the launchers and gemm_config up on their modules at call time, so a module reloaded after this
+import is the one that runs.
 """
 
 import math
@@ -20,8 +22,8 @@ import torch
 from fusenorm_inductor.kernels.triton import common as _triton_common
 from fusenorm_inductor.kernels.triton import mm_norm_backward as bwd_k
 from fusenorm_inductor.kernels.triton import mm_norm as fwd_k
-from fusenorm_inductor.ops.mm_norm import mm_norm_reference
-from fusenorm_inductor.ops.mm_norm_backward import mm_norm_backward_reference
+from fusenorm_inductor.ops.mm_norm import mm_norm_reference, mm_norm_tuned
+from fusenorm_inductor.ops.mm_norm_backward import mm_norm_backward_reference, mm_norm_backward_tuned
 from fusenorm_inductor.ops.norm import norm_reference
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -225,12 +227,12 @@ class Target:
         torch.testing.assert_close(out, ref, atol=atol, rtol=self.colsum_rtol, msg=lambda m: f"{name}: {m}")
 
     def check_forward(self, args):
-        """mm_norm_triton(*args) against mm_norm_reference(*args)."""
-        self.check(fwd_k.mm_norm_triton(*args), mm_norm_reference(*args), FWD_NAMES)
+        """mm_norm_tuned(*args) (tuning's configuration, then the launcher) against mm_norm_reference(*args)."""
+        self.check(mm_norm_tuned(*args), mm_norm_reference(*args), FWD_NAMES)
 
     def check_backward(self, args):
-        """mm_norm_backward_triton(*args) against mm_norm_backward_reference(*args)."""
-        dx, dw, db = bwd_k.mm_norm_backward_triton(*args)
+        """mm_norm_backward_tuned(*args) against mm_norm_backward_reference(*args)."""
+        dx, dw, db = mm_norm_backward_tuned(*args)
         rdx, rdw, rdb = mm_norm_backward_reference(*args)
         self.check([dx], [rdx], ["dx"])
         self.check_colsum(dw, rdw, "dw")
@@ -284,7 +286,7 @@ class Target:
         residual = (1000.0 + torch.randn(m, n, device=self.device)).to(dtype)
         weight, norm_bias = self.randn(n), self.randn(n)
         args = (a, b, None, residual, weight, norm_bias, EPS, False, None, True)
-        y, hh, mean, rstd = fwd_k.mm_norm_triton(*args)
+        y, hh, mean, rstd = mm_norm_tuned(*args)
 
         # fp64 two-pass reference from the same (rounded) inputs.
         h = a.double() @ b.double() + residual.double()

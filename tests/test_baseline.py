@@ -116,7 +116,7 @@ def test_decision_uses_inductors_time_and_the_lower_host_time(monkeypatch, by, p
 
     monkeypatch.setattr(measure, "can_measure", lambda device: True)
     monkeypatch.setattr(measure, "lookup", lambda key: None)
-    monkeypatch.setattr(measure, "store", lambda key, entry: None)
+    monkeypatch.setattr(measure, "store", lambda key, entry, bucket=False: None)
     monkeypatch.setattr(measure, "unfused_host_us", lambda device: pair_us)
     from fusenorm_inductor.kernels.triton.common import GemmConfig
 

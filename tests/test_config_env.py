@@ -33,6 +33,7 @@ BOOL_OPTIONS = {
     "spin_exchange": ("FUSENORM_SPIN_EXCHANGE", True),
     "tuning.measure": ("FUSENORM_TUNE", True),
     "tuning.measure_inductor": ("FUSENORM_TUNE_INDUCTOR", True),
+    "tuning.agree_across_ranks": ("FUSENORM_AGREE_ACROSS_RANKS", True),
     "fallback_on_error": ("FUSENORM_FALLBACK_ON_ERROR", True),
 }
 STR_OPTIONS = ["debug_dir", "tuning.cache_dir"]
@@ -136,7 +137,7 @@ def test_misspelled_env_var_warns_once_with_closest_name():
     expected = {"FUSENORM_ENABLED": "did you mean FUSENORM_ENABLE?",
                 "FUSENORM_SPIN_EXCHNGE": "did you mean FUSENORM_SPIN_EXCHANGE?",
                 "fusenorm_tune": "did you mean FUSENORM_TUNE?",
-                "FUSENORM_XYZZY": "the known ones are FUSENORM_ATTENTION_BLOCK,"}
+                "FUSENORM_XYZZY": "the known ones are FUSENORM_AGREE_ACROSS_RANKS, FUSENORM_ATTENTION_BLOCK,"}
     for name, hint in expected.items():
         (line,) = [ln for ln in warnings if f"environment variable {name} " in ln]
         assert "is not a fusenorm option and is ignored" in line and hint in line, line
@@ -235,3 +236,54 @@ def test_disable_without_reset_keeps_compiled_fused_code():
         torch._dynamo.reset()
         assert not _ran_fused_op(compiled, x)  # recompiled as plain Inductor
         torch.testing.assert_close(compiled(x), m(x), atol=1e-5, rtol=1e-5)
+
+
+# ---- values checked when set ------------------------------------------------------------------------------
+
+BAD_VALUES = [
+    ("enabled", "no"),  # a non-empty string is true to Python: it used to turn fusenorm on
+    ("enabled", 1),
+    ("patterns.linear_norm_fwd", "off"),
+    ("tuning.measure", None),
+    ("tuning.margin", -5),
+    ("tuning.margin", 1.0),
+    ("tuning.margin", float("nan")),
+    ("tuning.margin_gluon", "0.1"),
+    ("tuning.host_weight", -1.0),
+    ("tuning.host_weight", True),
+    ("tuning.rep_ms", 0),
+    ("debug_dir", 123),
+    ("tuning.cache_dir", 1.5),
+]
+
+
+def _set(name: str, value: object) -> None:
+    """``config.<name> = value`` as a user writes it (``config.tuning.margin = ...`` for a nested one)."""
+    *section, attr = name.split(".")
+    setattr(getattr(config, section[0]) if section else config, attr, value)
+
+
+@pytest.mark.parametrize("how", ["attribute", "patch"])
+@pytest.mark.parametrize("name,value", BAD_VALUES)
+def test_bad_values_are_refused_naming_the_option(name, value, how):
+    before = config.__getattr__(name)
+    with pytest.raises(ValueError, match=rf"config\.{name} = .* it must be"):
+        if how == "attribute":
+            _set(name, value)
+        else:
+            with config.patch({name: value}):
+                pass
+    assert config.__getattr__(name) == before
+    assert config.enabled is False
+
+
+@pytest.mark.parametrize("name,value", [("tuning.margin", 0.0), ("tuning.margin", 0.5), ("tuning.host_weight", 0),
+                                        ("tuning.rep_ms", 2.5), ("debug_dir", None), ("gluon", False)])
+def test_good_values_are_kept(name, value):
+    with config.patch({name: value}):
+        assert config.__getattr__(name) == value
+
+
+def test_a_path_is_stored_as_str(tmp_path):
+    with config.patch(debug_dir=tmp_path):
+        assert config.debug_dir == str(tmp_path) and isinstance(config.debug_dir, str)

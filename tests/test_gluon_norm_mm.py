@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from fusenorm_inductor.kernels.hopper import _compat  # noqa: E402
 
 from .kernel_cases import BF16, F16, NORMS, nan_alloc  # noqa: E402
-from .test_norm_mm_kernels import check, large_mean_args, make_args, nk, oracle  # noqa: E402
+from .test_norm_mm_kernels import check, large_mean_args, make_args, nk, op, oracle, tuning  # noqa: E402
 
 _SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = pytest.mark.skipif(not (_SM90 and _compat.available()), reason="needs an sm_90 GPU and Gluon")
@@ -49,7 +49,8 @@ def gluon_calls(monkeypatch):
 
 
 def _gluon_candidates(args):
-    return [c for c in nk.prenorm_candidates(args[0], args[1], args[7] or args[0].dtype) if c.kind.startswith("gl_")]
+    return [c for c in tuning.prenorm_candidates(args[0], args[1], args[7] or args[0].dtype)
+            if c.kind.startswith("gl_")]
 
 
 @pytest.mark.parametrize("case", ["full", "bare"])
@@ -61,7 +62,7 @@ def test_every_candidate_matches_oracle(m, k, n, case, is_rms, gluon_calls):
     full = case == "full"
     args = make_args(m, k, n, BF16, is_rms, "w_nb" if full else "none", full, b_t=full, device="cuda")
     cands = _gluon_candidates(args)
-    assert cands, nk.gluon_unsupported(args[0], args[1], None)
+    assert cands, tuning.gluon_unsupported(args[0], args[1], None)
     for cfg in cands:
         check(args, nk.norm_mm_triton(*args, config=cfg), oracle_dtype=torch.float64)
     assert gluon_calls == cands
@@ -99,13 +100,13 @@ def test_layernorm_large_mean(dtype, spread, k, gluon_calls):
 def test_custom_op_and_cached_plan(gluon_calls):
     """torch.ops.fusenorm.norm_mm on CUDA takes the Gluon kernel and keeps its plan: a second call with new
     inputs of the same signature launches without the full launcher, on fresh (poisoned) buffers."""
-    nk._PLANS.clear()
+    op._PLANS.clear()
     for i in range(5):
         args = make_args(1000, 256, 384, BF16, i % 2 == 0, device="cuda")
         outs = torch.ops.fusenorm.norm_mm(*args)
         check(args, outs, oracle_dtype=torch.float64)
     assert len(gluon_calls) == 2  # LayerNorm and RMSNorm once each: later calls replayed the plan
-    assert len(nk._PLANS) == 2
+    assert len(op._PLANS) == 2
 
 
 @pytest.mark.parametrize("what", ["k_odd", "fp32_out", "a_strided"])
@@ -117,14 +118,14 @@ def test_fallbacks_are_correct(what, gluon_calls):
     if what == "a_strided":
         a = torch.randn(257, 2 * k, device="cuda").to(BF16)[:, ::2]
         args = (a,) + args[1:]
-    why = nk.gluon_unsupported(args[0], args[1], args[7])
+    why = tuning.gluon_unsupported(args[0], args[1], args[7])
     assert why is not None
-    check(args, nk.norm_mm_triton(*args), oracle_dtype=torch.float64)
+    check(args, op.norm_mm_tuned(*args), oracle_dtype=torch.float64)
     assert not gluon_calls
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_empty_rows(dtype, gluon_calls):
     args = make_args(0, 64, 128, dtype, False, device="cuda")
-    c, mean, rstd = nk.norm_mm_triton(*args)
+    c, mean, rstd = op.norm_mm_tuned(*args)
     assert c.shape == (0, 128) and mean.shape == (0,) and rstd.shape == (0,)

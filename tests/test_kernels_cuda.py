@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from fusenorm_inductor.kernels.triton import common  # noqa: E402
-from fusenorm_inductor.kernels.triton import mm_norm as fk  # noqa: E402
+from fusenorm_inductor.tuning import mm_norm as fwd_t, mm_norm_backward as bwd_t  # noqa: E402
 
 from . import kernel_cases as kc  # noqa: E402  (imports the kernel modules)
 from .kernel_cases import BF16, BWD_CASES, EPS, F16, F32, FWD_CASES, NORMS, bwd_k, fwd_k  # noqa: E402
@@ -48,7 +48,7 @@ def _set_tf32(enabled: bool) -> None:
 
 @pytest.fixture(autouse=True)
 def _setup(monkeypatch):
-    """NaN-poisoned buffers, the launchers' own configs, TF32 off (exact fp32 on both sides), a fixed seed."""
+    """NaN-poisoned buffers, tuning's own configs, TF32 off (exact fp32 on both sides), a fixed seed."""
     kc.poison_and_seed(monkeypatch)
     kc.force_block_n(monkeypatch, None)
     matmul = torch.backends.cuda.matmul
@@ -98,9 +98,9 @@ def test_forward_tma_path(monkeypatch, n, is_rms, m=M, k=64):
         pytest.skip("TMA needs sm_90+")
     assert common.tma_layout(a, b) == "nk"
     args = (a, b, None, None, None, None, EPS, is_rms, None, False)
-    y_tma = fwd_k.mm_norm_triton(*args)[0].float()
+    y_tma = kc.mm_norm_tuned(*args)[0].float()
     monkeypatch.setattr(common, "_FORCE_TMA", False)
-    y_ptr = fwd_k.mm_norm_triton(*args)[0].float()
+    y_ptr = kc.mm_norm_tuned(*args)[0].float()
     torch.testing.assert_close(y_tma, y_ptr, **kc.CUDA_TOL[BF16])
     monkeypatch.setattr(common, "_FORCE_TMA", None)
     TARGET.check_layernorm_large_mean(m, k, n, BF16, w_max=5.0)
@@ -114,7 +114,7 @@ def test_forward_fp32_follows_tf32_flag(n, m=M, k=512):
     a = TARGET.randn_scaled(m, k, F32)
     b = TARGET.randn(n, k).t()
     weight, norm_bias = TARGET.randn(n), TARGET.randn(n)
-    y, _, _, _ = fwd_k.mm_norm_triton(a, b, None, None, weight, norm_bias, EPS, False, None, False)
+    y, _, _, _ = kc.mm_norm_tuned(a, b, None, None, weight, norm_bias, EPS, False, None, False)
     _, _, _, y64 = kc.layernorm_reference64(a.double() @ b.double(), weight, norm_bias)
     err = (y.double() - y64).abs().max().item()
     # TF32 input rounding 2^-11 relative: h errors ~7e-4 rms, ~4e-3 max over 8M elements, times |w| <= ~5.
@@ -141,8 +141,8 @@ def test_backward_variants(case, n, dtype, is_rms):
 def test_backward_deterministic(n, m=M, k=512):
     """dw/db come from per-M-tile partials summed in a fixed order (no atomics): bitwise reproducible."""
     args = TARGET.bwd_args(BWD_CASES["full"], m, k, n, BF16, False)
-    first = bwd_k.mm_norm_backward_triton(*args)
-    second = bwd_k.mm_norm_backward_triton(*args)
+    first = kc.mm_norm_backward_tuned(*args)
+    second = kc.mm_norm_backward_tuned(*args)
     for x, y, name in zip(first, second, ("dx", "dw", "db")):
         assert torch.equal(x, y), name
 
@@ -152,7 +152,7 @@ def test_backward_fp32_follows_tf32_flag(n, m=M, k=512):
     """TF32 on: dx within TF32 accuracy of the fp64 truth (dn errors ~1e-3 of |dn|, times |w| * rstd)."""
     _set_tf32(True)
     args = TARGET.bwd_args(BWD_CASES["full"], m, k, n, F32, False)
-    dx, dw, db = bwd_k.mm_norm_backward_triton(*args)
+    dx, dw, db = kc.mm_norm_backward_tuned(*args)
     _set_tf32(False)  # the reference's own fp32 GEMM must not use TF32: it stands in for the exact result
     rdx, rdw, rdb = kc.mm_norm_backward_reference(*args)
     # dn errors ~1e-3 of |dn| (~4e-3 max over 8M elements), times |w| <= ~5 and rstd ~ 0.5.
@@ -170,12 +170,12 @@ def test_backward_fp32_follows_tf32_flag(n, m=M, k=512):
 def test_ops_dispatch_to_kernels():
     args = TARGET.fwd_args(FWD_CASES["full"], M, 257, MULTI_N, BF16, False)
     via_op = torch.ops.fusenorm.mm_norm(*args)
-    direct = fwd_k.mm_norm_triton(*args)
+    direct = kc.mm_norm_tuned(*args)
     for x, y in zip(via_op, direct):
         assert torch.equal(x, y)
     bargs = TARGET.bwd_args(BWD_CASES["full"], M, 257, MULTI_N, BF16, False)
     via_op = torch.ops.fusenorm.mm_norm_backward(*bargs)
-    direct = bwd_k.mm_norm_backward_triton(*bargs)
+    direct = kc.mm_norm_backward_tuned(*bargs)
     for x, y in zip(via_op, direct):
         assert torch.equal(x, y)
 
@@ -200,8 +200,8 @@ def _needs_hopper():
 def test_forward_every_candidate(mkn, case, is_rms):
     _needs_hopper()
     args = TARGET.fwd_args(FWD_CASES[case], *mkn, BF16, is_rms)
-    out_bytes = fk.forward_out_bytes(args[0], args[3], args[8], args[9])  # fp32 y/hh: fewer stages
-    cands = fwd_k.forward_candidates(args[0], args[1], mkn[2], out_bytes)
+    out_bytes = fwd_t.forward_out_bytes(args[0], args[3], args[8], args[9])  # fp32 y/hh: fewer stages
+    cands = fwd_t.forward_candidates(args[0], args[1], mkn[2], out_bytes)
     assert all(c.kind in ("row", "coop", "spin") for c in cands), cands
     ref = kc.mm_norm_reference(*args)
     for c in cands:
@@ -214,7 +214,7 @@ def test_forward_every_candidate(mkn, case, is_rms):
 def test_backward_every_candidate(mkn, case, is_rms):
     _needs_hopper()
     args = TARGET.bwd_args(BWD_CASES[case], *mkn, BF16, is_rms)
-    cands = bwd_k.backward_candidates(args[0], args[1], mkn[2], 4 if args[10] == F32 else 2)
+    cands = bwd_t.backward_candidates(args[0], args[1], mkn[2], 4 if args[10] == F32 else 2)
     assert all(c.kind in ("row", "coop", "spin") for c in cands), cands
     rdx, rdw, rdb = kc.mm_norm_backward_reference(*args)
     for c in cands:
@@ -230,8 +230,8 @@ def test_layernorm_large_mean_every_candidate(monkeypatch, n):
     and Chan combine across programs)."""
     _needs_hopper()
     a = torch.randn(64, 64, device="cuda", dtype=BF16)
-    for c in fwd_k.forward_candidates(a, torch.randn(n, 64, device="cuda", dtype=BF16).t(), n):
-        monkeypatch.setattr(fwd_k, "forward_candidates", lambda *args, c=c: [c])
+    for c in fwd_t.forward_candidates(a, torch.randn(n, 64, device="cuda", dtype=BF16).t(), n):
+        monkeypatch.setattr(fwd_t, "forward_candidates", lambda *args, c=c: [c])
         TARGET.check_layernorm_large_mean(M, 256, n, BF16, w_max=5.0)
 
 
@@ -244,14 +244,14 @@ def test_gemm_only(mkn):
     w = TARGET.randn(n, k, dtype=BF16)
     bias = TARGET.randn(n, dtype=BF16)
     ref = (a.float() @ w.float().t() + bias.float()).to(BF16)
-    for c in fwd_k.forward_candidates(a, w.t(), n):
+    for c in fwd_t.forward_candidates(a, w.t(), n):
         y = fwd_k.mm_norm_triton(a, w.t(), bias, None, None, None, EPS, False, None, False, config=c, gemm_only=True)[0]
         torch.testing.assert_close(y, ref, **kc.CUDA_TOL[BF16])
     dz = TARGET.randn_scaled(m, k, BF16)
     w2 = TARGET.randn(k, n, dtype=BF16)
     src = TARGET.randn(m, n, dtype=BF16)
     rstd = torch.ones(m, device="cuda")
-    for c in bwd_k.backward_candidates(dz, w2, n):
+    for c in bwd_t.backward_candidates(dz, w2, n):
         dx = bwd_k.mm_norm_backward_triton(
             dz, w2, None, src, None, None, rstd, True, True, False, BF16, config=c, gemm_only=True
         )[0]

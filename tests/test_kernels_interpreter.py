@@ -77,7 +77,7 @@ def _poison_and_seed(monkeypatch):
 
 @pytest.fixture(params=["single", "multi"])
 def path(request, monkeypatch):
-    """single: the launchers' own config (N <= 256 fits one tile); multi: 16-wide N tiles."""
+    """single: tuning's own config (N <= 256 fits one tile); multi: 16-wide N tiles."""
     kc.force_block_n(monkeypatch, None if request.param == "single" else 16)
     return request.param
 
@@ -160,7 +160,7 @@ def test_degenerate_shapes(path, shape, is_rms):
 
 @NORMS
 def test_default_multi_tile_config(is_rms):
-    """The launchers' own multi-tile config (N = 300 > 256: three 128-wide N tiles, the last one of 44)."""
+    """Tuning's own multi-tile config (N = 300 > 256: three 128-wide N tiles, the last one of 44)."""
     m, k, n = 33, 17, 300
     assert not TARGET.single_tile(m, n, k, F16)
     TARGET.run_forward(FWD_CASES["full"], m, k, n, F16, is_rms)
@@ -177,12 +177,12 @@ def test_outputs_come_from_alloc(path, monkeypatch):
         return t
 
     kc.poison_allocs(monkeypatch, recording_alloc)
-    for t in fwd_k.mm_norm_triton(*TARGET.fwd_args(FWD_CASES["full"], *FWD_SHAPES["full"], F32, False)):
+    for t in kc.mm_norm_tuned(*TARGET.fwd_args(FWD_CASES["full"], *FWD_SHAPES["full"], F32, False)):
         assert any(t is u for u in made)
 
     made.clear()
     m, k, n = BWD_SHAPES["full"]
-    dx, dw, db = bwd_k.mm_norm_backward_triton(*TARGET.bwd_args(BWD_CASES["full"], m, k, n, F32, False))
+    dx, dw, db = kc.mm_norm_backward_tuned(*TARGET.bwd_args(BWD_CASES["full"], m, k, n, F32, False))
     assert any(dx is u for u in made)
     # dw/db are host sums of [m_tiles, N] partial buffers, which must be poisoned too.
     partials = [u for u in made if u.dim() == 2 and u.shape[1] == n and u.shape[0] < m]

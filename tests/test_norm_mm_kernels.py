@@ -1,14 +1,16 @@
 """The Triton kernels of ``fusenorm::norm_mm`` (Lazy Pre-Norm: ``c = norm(a) @ b + bias``) against an oracle.
 
 Interpreter tests (CPU, Triton interpreter, fp32/fp16; skipped when CUDA is present): the pointer kernel and
-the TMA kernel (forced onto CPU tensors with ``_triton_common._FORCE_TMA``) for LayerNorm and RMSNorm, affine
+the TMA kernel (forced onto CPU tensors with ``common._FORCE_TMA``) for LayerNorm and RMSNorm, affine
 off / weight / weight + norm_bias, bias on/off, b = W.t() and a row-major [K, N] b, odd shapes (M = 257, 33,
 3; K = 40, 72, 24; N = 24, 130, 40), non-contiguous operands, out_dtype fp32, every TMA candidate, rows of
 1000 + N(0, 1) (against an fp64 oracle), M == 0, N == 0, K == 0.
 CUDA tests (skipped without CUDA): bf16/fp16 at M = 4097, K in {64, 256}, N in {40, 256, 384}, both kernels,
 both norms, affine on/off; |mean| >> std; fp32 (pointer kernel, TF32 off).
 
-Every output the launcher allocates is NaN-poisoned, so an element no program writes fails the finiteness
+The launcher runs the configuration the op's CUDA path gives it (``norm_mm_tuned``: tuning's choice, which
+without measuring is the first candidate), or one forced by the test. Every output the launcher allocates is
+NaN-poisoned, so an element no program writes fails the finiteness
 check. The oracle is the op's semantics computed in fp32 (fp64 for |mean| >> std and on CUDA); tolerances are
 per element, in units of the dtypes' roundoff times the magnitudes that carry each rounding (``bounds``).
 bf16 arithmetic is broken in the Triton 3.6 interpreter (docs/platform.md): bf16 runs only on CUDA.
@@ -34,6 +36,9 @@ pytest.importorskip("triton")
 
 from fusenorm_inductor.kernels.triton import common  # noqa: E402
 from fusenorm_inductor.kernels.triton import norm_mm as nk  # noqa: E402
+from fusenorm_inductor.tuning import norm_mm as tuning  # noqa: E402
+
+op = importlib.import_module("fusenorm_inductor.ops.norm_mm")  # the module, not the op it exports
 
 from .kernel_cases import (  # noqa: E402
     BF16, EPS, F16, F32, NORMS, Recording, nan_alloc, parametrize_dtypes, unit_roundoff,
@@ -201,7 +206,7 @@ def large_mean_args(m, k, n, dtype, spread=1.0, device="cpu"):
 def check_large_mean(args):
     """Against an fp64 oracle; the rstd bound must be tight enough that a plain one-pass E[a^2] - E[a]^2
     in fp32 would break it (the test can tell the shifted sums from the naive ones)."""
-    c_tol, rstd_tol = check(args, nk.norm_mm_triton(*args), oracle_dtype=torch.float64)
+    c_tol, rstd_tol = check(args, op.norm_mm_tuned(*args), oracle_dtype=torch.float64)
     a, eps = args[0], args[5]
     x = a.float()
     naive = torch.rsqrt(((x * x).mean(1) - x.mean(1) ** 2).clamp_min(0) + eps)
@@ -220,7 +225,7 @@ def record_kernels(monkeypatch, tma=None):
 
 
 def run(args):
-    outs = nk.norm_mm_triton(*args)
+    outs = op.norm_mm_tuned(*args)
     check(args, outs)
     return outs
 
@@ -301,7 +306,7 @@ def test_tma_kernel_every_candidate(monkeypatch, is_rms, out_dtype):
     tile shrinks to fit shared memory), N = 300: a partial last tile either way."""
     monkeypatch.setattr(common, "_FORCE_TMA", True)
     args = make_args(130, 40, 300, F16, is_rms, out_dtype=out_dtype)
-    cands = nk.prenorm_candidates(args[0], args[1], out_dtype or F16)
+    cands = tuning.prenorm_candidates(args[0], args[1], out_dtype or F16)
     assert {c.kind for c in cands} == {"tma"} and {c.block_n for c in cands} == {128, 256}, cands
     record_kernels(monkeypatch, tma=True)
     for config in cands:
@@ -309,7 +314,7 @@ def test_tma_kernel_every_candidate(monkeypatch, is_rms, out_dtype):
         check(args, outs)
 
 
-# The TMA kernel's two walks over the tiles and two forms of the row sums (norm_mm_kernels docstring).
+# The TMA kernel's two walks over the tiles and two forms of the row sums (kernels/triton/norm_mm.py's docstring).
 WALKS = pytest.mark.parametrize(
     "kind, tile_sums",
     [("tma", False), ("tma", True), ("tma_rows", False), ("tma_rows", True)],
@@ -321,8 +326,8 @@ def run_walk(monkeypatch, args, kind, tile_sums, block_n):
     """norm_mm_triton with one forced TMA configuration and form of the row sums."""
     monkeypatch.setattr(nk, "TILE_SUMS_OVERRIDE", tile_sums)
     out_dtype = args[7] or args[0].dtype
-    config = common.tma_config(kind, nk.TMA_BLOCK_M, block_n, nk.TMA_BLOCK_K, nk.TMA_STAGES, nk.TMA_WARPS,
-                               out_dtype.itemsize)
+    config = common.tma_config(kind, tuning.TMA_BLOCK_M, block_n, tuning.TMA_BLOCK_K, tuning.TMA_STAGES,
+                               tuning.TMA_WARPS, out_dtype.itemsize)
     return nk.norm_mm_triton(*args, config=config)
 
 
@@ -346,12 +351,12 @@ def test_candidates_row_block_walk_first(monkeypatch):
     N tile that splits N; a single-tile N keeps the flattened walk only."""
     monkeypatch.setattr(common, "_FORCE_TMA", True)
     a = torch.randn(1024, 64, dtype=F16)  # 8 row blocks >= the interpreter's 4 "SMs"
-    kinds = [(c.kind, c.block_n) for c in nk.prenorm_candidates(a, torch.randn(64, 304, dtype=F16), F16)]
+    kinds = [(c.kind, c.block_n) for c in tuning.prenorm_candidates(a, torch.randn(64, 304, dtype=F16), F16)]
     assert kinds == [("tma_rows", 128), ("tma", 128), ("tma_rows", 256), ("tma", 256)], kinds
-    kinds = [(c.kind, c.block_n) for c in nk.prenorm_candidates(a, torch.randn(64, 256, dtype=F16), F16)]
+    kinds = [(c.kind, c.block_n) for c in tuning.prenorm_candidates(a, torch.randn(64, 256, dtype=F16), F16)]
     assert kinds == [("tma", 256), ("tma_rows", 128), ("tma", 128)], kinds
     few_rows = torch.randn(256, 64, dtype=F16)  # 2 row blocks: the row-block walk would leave SMs idle
-    assert {c.kind for c in nk.prenorm_candidates(few_rows, torch.randn(64, 304, dtype=F16), F16)} == {"tma"}
+    assert {c.kind for c in tuning.prenorm_candidates(few_rows, torch.randn(64, 304, dtype=F16), F16)} == {"tma"}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -379,7 +384,7 @@ def test_empty_rows(monkeypatch, is_rms):
     """M == 0: empty outputs of the right shapes and dtypes, nothing launched."""
     monkeypatch.setattr(nk, "_norm_mm_fwd_kernel", Recording(None, forbidden=True))
     monkeypatch.setattr(nk, "_norm_mm_fwd_tma_kernel", Recording(None, forbidden=True))
-    c, mean, rstd = nk.norm_mm_triton(*make_args(0, 40, 24, F32, is_rms))
+    c, mean, rstd = op.norm_mm_tuned(*make_args(0, 40, 24, F32, is_rms))
     assert c.shape == (0, 24) and c.dtype == F32
     assert mean.shape == (0,) and rstd.shape == (0,) and mean.dtype == rstd.dtype == F32
 
@@ -394,7 +399,7 @@ def test_empty_output_columns(monkeypatch, is_rms):
 
 def test_k_zero_raises():
     with pytest.raises(ValueError, match="K == 0"):
-        nk.norm_mm_triton(*make_args(4, 0, 8, F32, False))
+        op.norm_mm_tuned(*make_args(4, 0, 8, F32, False))
 
 
 @parametrize_dtypes(F32, F16)
@@ -419,6 +424,31 @@ def test_fold_norm_affine(dtype):
 
 
 @INTERPRETER
+def test_spilling_gluon_config_runs_tl_first_choice(monkeypatch):
+    """A Gluon configuration whose specialization spills: the launcher raises ``SpillError`` (the Gluon kernel is
+    never launched), and the op's path runs the tl kernels' first choice instead, with the right result."""
+    from fusenorm_inductor.kernels.hopper import _compat
+
+    if not _compat.available():
+        pytest.skip(f"this triton has no usable Gluon ({_compat.GLUON_ERROR})")
+    from fusenorm_inductor.kernels.hopper import common as hopper_common, norm_mm as hopper
+
+    def spills(*args):
+        raise hopper_common.SpillError("spills")
+
+    monkeypatch.setattr(hopper, "norm_mm_gluon", spills)
+    gl_config = common.GemmConfig("gl_coop", 128, 128, 64, 3, 8)
+    monkeypatch.setattr(tuning, "prenorm_config", lambda *args: gl_config)
+    args = make_args(33, 40, 24, F16, False)
+    with pytest.raises(hopper_common.SpillError):
+        nk.norm_mm_triton(*args, config=gl_config)
+    ptr, _ = record_kernels(monkeypatch, tma=False)
+    assert tuning.tl_candidates(args[0], args[1], F16)[0].kind == "ptr"
+    run(args)
+    assert ptr.values
+
+
+@INTERPRETER
 def test_outputs_come_from_alloc(monkeypatch):
     """The poisoning is only as good as the hook: every returned buffer must come from ``_alloc``."""
     made = []
@@ -428,7 +458,7 @@ def test_outputs_come_from_alloc(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(nk, "_alloc", recording_alloc)
-    for t in nk.norm_mm_triton(*make_args(33, 40, 24, F32, False)):
+    for t in op.norm_mm_tuned(*make_args(33, 40, 24, F32, False)):
         assert any(t is u for u in made)
 
 
@@ -449,7 +479,7 @@ def _set_path(monkeypatch, path):
     if path == "tma" and not _tma_available():
         pytest.skip("TMA needs sm_90+")
     # the tl kernels under test, not the Gluon kernel the dispatch puts first on sm_90 (test_gluon_norm_mm.py)
-    monkeypatch.setattr(nk, "gluon_unsupported", lambda *args: "off: the tl kernels' tests")
+    monkeypatch.setattr(tuning, "gluon_unsupported", lambda *args: "off: the tl kernels' tests")
     monkeypatch.setattr(common, "_FORCE_TMA", None if path == "tma" else False)
     return record_kernels(monkeypatch, tma=path == "tma")
 
@@ -466,7 +496,7 @@ def test_cuda_matches_oracle(monkeypatch, dtype, is_rms, k, n, affine, path):
     _, tmak = _set_path(monkeypatch, path)
     on = affine == "on"
     args = make_args(M_CUDA, k, n, dtype, is_rms, "w_nb" if on else "none", on, b_t=on, device="cuda")
-    check(args, nk.norm_mm_triton(*args), oracle_dtype=torch.float64)
+    check(args, op.norm_mm_tuned(*args), oracle_dtype=torch.float64)
     if path == "tma":
         assert tmak.values
 
@@ -479,7 +509,7 @@ def test_cuda_matches_oracle(monkeypatch, dtype, is_rms, k, n, affine, path):
 def test_cuda_layernorm_large_mean(monkeypatch, dtype, spread, path):
     """Rows of 1000 + spread * N(0, 1). bf16 steps by 4 at 1000, so a spread of 1 would round most rows to
     constants (where rstd = rsqrt(eps) amplifies the rank-1 correction's fp32 cancellation: module docstring
-    of norm_mm_kernels); a spread of 8 keeps |mean| / std ~ 125 with resolved rows."""
+    of kernels/triton/norm_mm.py); a spread of 8 keeps |mean| / std ~ 125 with resolved rows."""
     _set_path(monkeypatch, path)
     check_large_mean(large_mean_args(M_CUDA, 256, 384, dtype, spread, device="cuda"))
 
@@ -512,7 +542,7 @@ def test_cuda_fp32_pointer_kernel(monkeypatch, is_rms, k, n):
     monkeypatch.setattr(common, "_cuda_matmul_allows_tf32", lambda: False)
     record_kernels(monkeypatch, tma=False)
     args = make_args(M_CUDA, k, n, F32, is_rms, device="cuda")
-    check(args, nk.norm_mm_triton(*args), oracle_dtype=torch.float64)
+    check(args, op.norm_mm_tuned(*args), oracle_dtype=torch.float64)
 
 
 @pytest.mark.parametrize("is_rms", [False, True], ids=["layernorm", "rmsnorm"])

@@ -82,7 +82,29 @@ def test_chain_and_unchain_keep_user_passes():
     assert passes.chain(chained, ours) is chained  # idempotent
     assert passes.unchain(chained, ours) is a
     assert passes.chain([a], ours) == [a, ours] and passes.unchain([a, ours], ours) == [a]
-    assert chained.uuid() is None  # a plain function has no uuid: Inductor must not cache
+    if isinstance(chained, list):  # this torch runs a list per slot: the user's pass stays itself
+        assert chained == [a, ours]
+    else:  # torch 2.11: one pass per slot
+        assert chained.uuid() is None  # a plain function has no uuid: Inductor must not cache
+
+
+def test_torch_names_the_users_pass_not_ours():
+    """What torch says about the passes in a slot (its cache warnings name passes without a uuid) names the
+    user's own pass where this torch takes a list per slot, never a wrapper of fusenorm's."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import codecache, custom_graph_pass
+
+    if not hasattr(custom_graph_pass, "get_custom_graph_passes"):
+        pytest.skip("this torch takes one pass per slot: fusenorm chains the user's pass in a wrapper")
+
+    def users_own_pass(g):
+        pass
+
+    with inductor_config.patch(pre_grad_custom_pass=users_own_pass), fusenorm_inductor.config.patch(enabled=True):
+        slot = custom_graph_pass.get_custom_graph_passes(inductor_config.pre_grad_custom_pass)
+        missing = [codecache._custom_pass_name(p) for p in slot if not codecache._custom_pass_has_uuid(p)]
+        assert missing == ["test_torch_names_the_users_pass_not_ours.<locals>.users_own_pass"], missing
+    assert inductor_config.pre_grad_custom_pass is None
 
 
 def test_mode_and_options_pass_through():

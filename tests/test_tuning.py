@@ -1,4 +1,5 @@
-"""ops/measure.py and ops/tuning.py: the per-shape kernel choice and the fuse-or-not decision, and their cache.
+"""tuning/measure.py and tuning/decide.py (tuning/mm_norm.py for the post-norm, tuning/norm_mm.py for the
+pre-norm): the per-shape kernel choice and the fuse-or-not decision, and their cache.
 
 CPU: nothing is measured (every match fuses, the kernels' first candidate runs), the config rules, the disk
 cache round trip. CUDA: a real measurement is cached on disk and found again by a fresh process state, and
@@ -13,9 +14,9 @@ import torch
 
 from fusenorm_inductor import config
 from fusenorm_inductor.kernels.triton import common
-from fusenorm_inductor.kernels.triton import mm_norm as mm_norm_kernels, norm_mm as norm_mm_kernels
 from fusenorm_inductor.tuning import baseline, decide as tuning, measure
-from fusenorm_inductor.kernels.triton import mm_norm as fk
+from fusenorm_inductor.tuning import norm_mm as norm_mm_tuning
+from fusenorm_inductor.tuning import mm_norm as mm_norm_tuning
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +34,7 @@ def _fwd_args(device, m=4096, k=256, n=256, dtype=torch.bfloat16):
 
 
 def test_cpu_is_not_measured():
-    choice = tuning.forward_choice(*_fwd_args("cpu", m=33, k=40, n=40, dtype=torch.float32))
+    choice = mm_norm_tuning.forward_choice(*_fwd_args("cpu", m=33, k=40, n=40, dtype=torch.float32))
     assert choice.fuse and choice.t_fused_ms is None and "not measured on CPU" in choice.reason
 
 
@@ -79,15 +80,15 @@ def test_measured_choice_is_cached(monkeypatch):
         pytest.skip("the TMA kernels need sm_90+")
     args = _fwd_args("cuda", m=65536)
     with config.patch({"tuning.measure": True}):
-        choice = tuning.forward_choice(*args)
+        choice = mm_norm_tuning.forward_choice(*args)
         assert choice.t_fused_ms > 0 and choice.t_unfused_ms > 0, choice
         assert choice.reason.startswith("fused" if choice.fuse else "left unfused"), choice.reason
         # A new process state reads the disk cache instead of measuring again.
         measure.clear_memory()
-        monkeypatch.setattr(mm_norm_kernels, "measure_forward", lambda *a, **k: pytest.fail("measured twice"))
-        again = tuning.forward_choice(*args)
+        monkeypatch.setattr(mm_norm_tuning, "measure_forward", lambda *a, **k: pytest.fail("measured twice"))
+        again = mm_norm_tuning.forward_choice(*args)
         assert (again.config, again.t_fused_ms) == (choice.config, choice.t_fused_ms)
-        assert fk.forward_config(*args).label() == choice.config
+        assert mm_norm_tuning.forward_config(*args).label() == choice.config
 
 
 @cuda
@@ -96,22 +97,21 @@ def test_capture_uses_cached_config(monkeypatch, tmp_path):
     ``mode="reduce-overhead"`` step must run the tuned kernel, not the first candidate)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the TMA kernels need sm_90+")
-    from fusenorm_inductor.kernels.triton import mm_norm as fk
-
     args = _fwd_args("cuda")
     a, b, bias, residual, weight, norm_bias, _eps, _rms, out_dtype, save_normed = args
-    cands = fk.forward_candidates(a, b, 256, fk.forward_out_bytes(a, residual, out_dtype, save_normed),
-                                  (bias, residual, weight, norm_bias, out_dtype, save_normed))  # as forward_config
+    out_bytes = mm_norm_tuning.forward_out_bytes(a, residual, out_dtype, save_normed)
+    cands = mm_norm_tuning.forward_candidates(a, b, 256, out_bytes, (bias, residual, weight, norm_bias, out_dtype,
+                                                                     save_normed))  # as forward_config
     assert len(cands) > 1
-    key = measure.forward_key(*args[:6], args[7], args[8], args[9])
+    key = mm_norm_tuning.forward_key(*args[:6], args[7], args[8], args[9])
     measure.store(key, {"config": list(cands[1]), "t_fused_ms": 1.0, "t_unfused_ms": 2.0, "candidates": {}})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with config.patch({"tuning.measure": True}):
-        assert fk.forward_config(*args) == cands[1]
+        assert mm_norm_tuning.forward_config(*args) == cands[1]
     measure.clear_memory()  # no entry (an empty cache directory): the first candidate, nothing measured
     with config.patch({"tuning.measure": True, "tuning.cache_dir": str(tmp_path / "empty")}):
-        monkeypatch.setattr(mm_norm_kernels, "measure_forward", lambda *a, **k: pytest.fail("measured during capture"))
-        assert fk.forward_config(*args) == cands[0]
+        monkeypatch.setattr(mm_norm_tuning, "measure_forward", lambda *a, **k: pytest.fail("measured during capture"))
+        assert mm_norm_tuning.forward_config(*args) == cands[0]
 
 
 @cuda
@@ -155,13 +155,13 @@ def test_prenorm_measurement_plumbing(monkeypatch):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     a, w = (torch.randn(65, 40, dtype=torch.float16, device=dev), torch.randn(24, 40, dtype=torch.float16, device=dev))
     args = (a, w.t(), None, torch.ones(40, device=dev), None, 1e-5, False, torch.float16)
-    choice = tuning.prenorm_choice(*args)
+    choice = norm_mm_tuning.prenorm_choice(*args)
     assert len(runs) >= 2 and choice.fuse and "measured 1 ms fused" in choice.reason, choice
-    monkeypatch.setattr(norm_mm_kernels, "measure_prenorm", lambda *a, **k: pytest.fail("measured twice"))
-    assert tuning.prenorm_choice(*args) == choice
+    monkeypatch.setattr(norm_mm_tuning, "measure_prenorm", lambda *a, **k: pytest.fail("measured twice"))
+    assert norm_mm_tuning.prenorm_choice(*args) == choice
     with config.patch({"tuning.margin": 0.5}):  # 1.0 is not below 1.5 * 0.5
         measure.clear_memory()
-        assert not tuning.prenorm_choice(*args).fuse
+        assert not norm_mm_tuning.prenorm_choice(*args).fuse
 
 
 @pytest.mark.parametrize(
@@ -223,7 +223,7 @@ def test_gluon_configs_fuse_at_their_own_margin(monkeypatch, kind, fused):
     """17% under the unfused estimate: above the Gluon kernels' margin (15%), below the tl kernels' (20%)."""
     monkeypatch.setattr(measure, "can_measure", lambda device: True)
     monkeypatch.setattr(measure, "lookup", lambda key: None)
-    monkeypatch.setattr(measure, "store", lambda key, entry: None)
+    monkeypatch.setattr(measure, "store", lambda key, entry, bucket=False: None)
     entry = {"config": [kind, 128, 128, 64, 4, 4], "t_fused_ms": 0.83, "t_unfused_ms": 1.0, "candidates": {}}
     choice = tuning._choice(("k",), torch.device("cuda"), lambda: entry, lambda: "first")
     assert choice.fuse is fused and choice.config.startswith(kind), choice
@@ -242,7 +242,7 @@ def test_host_time_counts_without_cuda_graphs(monkeypatch, cudagraphs, weight, f
 
     monkeypatch.setattr(measure, "can_measure", lambda device: True)
     monkeypatch.setattr(measure, "lookup", lambda key: None)
-    monkeypatch.setattr(measure, "store", lambda key, entry: None)
+    monkeypatch.setattr(measure, "store", lambda key, entry, bucket=False: None)
     monkeypatch.setattr(measure, "unfused_host_us", lambda device: 27.0)
     entry = {"config": ["gl_coop", 128, 128, 64, 4, 4], "t_fused_ms": 0.05, "t_unfused_ms": 0.1, "candidates": {},
              "h_fused_us": 45.0}

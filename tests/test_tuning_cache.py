@@ -1,4 +1,5 @@
-"""ops/measure.py's cache and probes, and ops/tuning.py's decision, when something is wrong (issue 16), on CPU.
+"""tuning/measure.py's cache and probes, and the fuse decisions (tuning/decide.py, the pre-norm's in
+tuning/norm_mm.py), when something is wrong (issue 16), on CPU.
 
 A malformed cache file or entry counts as absent and warns once per file; an unwritable cache directory warns
 once; a failed copy-bandwidth probe is not remembered, divides nothing by zero and leaves the fuse decision
@@ -14,6 +15,7 @@ import torch
 
 from fusenorm_inductor import config
 from fusenorm_inductor.tuning import decide as tuning, measure
+from fusenorm_inductor.tuning import norm_mm as norm_mm_tuning
 from fusenorm_inductor.kernels.triton.common import GemmConfig
 
 CUDA = torch.device("cuda")  # only a key and a branch here: nothing runs on it
@@ -75,13 +77,13 @@ def test_malformed_file_is_absent_and_warns_once(tmp_path, monkeypatch, content,
     msgs = _fusenorm_warnings(record)
     assert len(msgs) == 1 and str(path) in msgs[0] and problem in msgs[0], msgs
     assert "\n" not in msgs[0]
-    # The launcher's runtime lookup falls back to the first candidate (capturing: nothing measured)...
+    # The launcher's runtime lookup falls back to the first candidate (a launch never measures)...
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert measure.tuned_config(_key("c"), CUDA, lambda: [C0, C1], _no_measure) == C0
-    # ... and a measurement replaces the bad file with a valid one holding it.
-    monkeypatch.setattr(measure, "can_measure", lambda device: True)
-    assert measure.tuned_config(_key("d"), CUDA, lambda: [C0, C1], lambda: _entry(C1)) == C1
+        assert measure.tuned_config(_key("c"), CUDA, lambda: [C0, C1]) == C0
+    # ... and a measurement stored by a decision replaces the bad file with a valid one holding it.
+    measure.store(_key("d"), _entry(C1))
+    assert measure.tuned_config(_key("d"), CUDA, lambda: [C0, C1]) == C1
     assert list(json.loads(path.read_text()).values()) == [_entry(C1)]
 
 
@@ -118,7 +120,7 @@ def test_malformed_entry_is_absent(tmp_path, monkeypatch, entry, problem):
     path.write_text(json.dumps({measure._disk_key(_key()): entry, good: _entry(C1)}))
     # The launcher's lookup: the first candidate, with one warning naming the file and the problem.
     with pytest.warns(UserWarning) as record:
-        assert measure.tuned_config(_key(), CUDA, lambda: [C0, C1], _no_measure) == C0
+        assert measure.tuned_config(_key(), CUDA, lambda: [C0, C1]) == C0
         assert measure.lookup(_key()) is None
     msgs = _fusenorm_warnings(record)
     assert len(msgs) == 1 and str(path) in msgs[0] and problem in msgs[0], msgs
@@ -147,12 +149,12 @@ def test_malformed_warns_once_per_file(tmp_path):
 
 
 def test_valid_cache_does_not_warn(tmp_path):
-    """Round trip with inf times (every candidate failed) and a config with all its fields: no warning."""
+    """Round trip with a config with all its fields: no warning."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        measure.store(_key(), _entry(C1, float("inf"), 2.0))
+        measure.store(_key(), _entry(C1, 3.0, 2.0))
         measure.clear_memory()
-        assert measure.tuned_config(_key(), CUDA, lambda: [C0, C1], _no_measure) == C1
+        assert measure.tuned_config(_key(), CUDA, lambda: [C0, C1]) == C1
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -170,7 +172,7 @@ def test_unwritable_cache_dir_warns_once(tmp_path):
         msgs = _fusenorm_warnings(record)
         assert len(msgs) == 1 and str(blocker) in msgs[0] and "cannot write" in msgs[0], msgs
         # The measurements are still used in this process.
-        assert measure.tuned_config(_key("b"), CUDA, lambda: [C0, C1], _no_measure) == C1
+        assert measure.tuned_config(_key("b"), CUDA, lambda: [C0, C1]) == C1
 
 
 @pytest.mark.parametrize("fail", ["replace", "dump"])
@@ -186,7 +188,8 @@ def test_failing_write_warns_and_cleans_up(tmp_path, monkeypatch, fail):
         measure.store(_key(), _entry(C0))
     msgs = _fusenorm_warnings(record)
     assert len(msgs) == 1 and str(tmp_path) in msgs[0] and "No space left" in msgs[0], msgs
-    assert list(tmp_path.iterdir()) == []  # no temporary file left behind, no cache file
+    # No temporary file left behind, no cache file (the writers' lock file stays: it holds no data).
+    assert [p.name for p in tmp_path.iterdir()] in ([], [f"tuning-v{measure.CACHE_VERSION}.json.lock"])
     assert measure.lookup(_key()) == _entry(C0)
 
 
@@ -196,7 +199,7 @@ def test_failing_write_warns_and_cleans_up(tmp_path, monkeypatch, fail):
 
 
 class _FakeCopyKernel:
-    """Stands in for the Triton copy kernel (no 1 GiB copy on CPU); fails while ``broken``."""
+    """Stands in for the Triton copy kernel (no 256 MiB copy on CPU); fails while ``broken``."""
 
     broken = True
 
@@ -236,13 +239,13 @@ def test_failed_probe_is_not_memoized(broken_probe):
     assert len(msgs) == 1 and "copy-bandwidth probe on cpu failed" in msgs[0] and "\n" not in msgs[0], msgs
     assert "the timed copy kernel failed" in msgs[0]
     assert ("copy_gbps", dev) not in measure._memo
-    broken_probe.broken = False  # the next call probes again and succeeds: 2 x 1 GiB in 1 ms
-    assert measure.copy_bandwidth_gbps(dev) == pytest.approx(2 * (1 << 30) / 1e6)
+    broken_probe.broken = False  # the next call probes again and succeeds: 2 x 256 MiB in 1 ms
+    assert measure.copy_bandwidth_gbps(dev) == pytest.approx(2 * (1 << 28) / 1e6)
     assert measure._memo[("copy_gbps", dev)]
 
 
 def test_probe_that_raises(monkeypatch):
-    """An exception outside the timer (allocating 1 GiB on a full GPU) is a failed probe too."""
+    """An exception outside the timer (allocating the buffers on a full GPU) is a failed probe too."""
 
     def oom(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory")
@@ -263,16 +266,16 @@ def test_failed_probe_leaves_decision_unmeasured(tmp_path, broken_probe):
     the reason says why, nothing is written to disk; once the probe works the shape is measured in full."""
     args = _prenorm_args()
     with pytest.warns(UserWarning, match="copy-bandwidth probe"):
-        choice = tuning.prenorm_choice(*args)
+        choice = norm_mm_tuning.prenorm_choice(*args)
     assert choice.fuse and choice.t_fused_ms is None and choice.t_unfused_ms is None, choice
     assert "copy-bandwidth probe failed" in choice.reason
     assert not _cache_path(tmp_path).exists()
     # The launcher uses the measured config without measuring again.
-    key = measure.prenorm_key(*args[:5], args[6], args[7])
+    key = norm_mm_tuning.prenorm_key(*args[:5], args[6], args[7])
     assert measure.lookup(key)["t_unfused_ms"] is None
-    assert tuning.prenorm_norm_ms(args[0]) == 0.0
+    assert norm_mm_tuning.prenorm_norm_ms(args[0]) == 0.0
     broken_probe.broken = False
-    again = tuning.prenorm_choice(*args)
+    again = norm_mm_tuning.prenorm_choice(*args)
     assert again.t_fused_ms == 1.0 and again.t_unfused_ms > 1.0 and "(measured 1 ms fused" in again.reason, again
     assert measure._disk_key(key) in json.loads(_cache_path(tmp_path).read_text())
 
@@ -281,11 +284,11 @@ def test_failed_probe_with_cached_entry(broken_probe):
     """A cached pre-norm measurement does not need the probe, but the pattern weighs fan-out with
     prenorm_norm_ms: with the probe failing the match counts as not measured and nothing divides by zero."""
     args = _prenorm_args()
-    key = measure.prenorm_key(*args[:5], args[6], args[7])
+    key = norm_mm_tuning.prenorm_key(*args[:5], args[6], args[7])
     measure.store(key, _entry(C0, 1.0, 3.0))
     with pytest.warns(UserWarning, match="copy-bandwidth probe"):
-        choice = tuning.prenorm_choice(*args)
-        assert tuning.prenorm_norm_ms(args[0]) == 0.0
+        choice = norm_mm_tuning.prenorm_choice(*args)
+        assert norm_mm_tuning.prenorm_norm_ms(args[0]) == 0.0
     assert choice.fuse and choice.t_fused_ms is None and "copy-bandwidth probe failed" in choice.reason
     # The forward and backward decisions read only their cached entry.
     fkey = _key("fwd")
@@ -325,8 +328,8 @@ def test_deterministic_config_is_first_candidate(deterministic):
     """Neither measured nor read from the cache: a cached choice would make the kernel depend on the machine's
     history."""
     measure.store(_key(), _entry(C1))
-    assert measure.tuned_config(_key(), CUDA, lambda: [C0, C1], _no_measure) == C0
-    assert measure.tuned_config(_key("new"), CUDA, lambda: [C0, C1], _no_measure) == C0
+    assert measure.tuned_config(_key(), CUDA, lambda: [C0, C1]) == C0
+    assert measure.tuned_config(_key("new"), CUDA, lambda: [C0, C1]) == C0
 
 
 def test_deterministic_choice_is_not_measured(deterministic):
@@ -335,5 +338,5 @@ def test_deterministic_choice_is_not_measured(deterministic):
         choice = tuning._choice(key, CUDA, _no_measure, lambda: "the kernels' first candidate")
         assert choice.fuse and choice.t_fused_ms is None and choice.config == "the kernels' first candidate"
         assert "deterministic" in choice.reason and choice.reason.startswith("fused (not measured"), choice
-    choice = tuning.prenorm_choice(*_prenorm_args())
+    choice = norm_mm_tuning.prenorm_choice(*_prenorm_args())
     assert choice.fuse and choice.t_fused_ms is None and "deterministic" in choice.reason, choice

@@ -9,9 +9,16 @@
   jagged Q and short dense K/V (gdpa.py);
 - ``flash_norm_attention`` / ``flash_norm_attention_backward``: the PFFN block, LayerNorm -> GDPA -> + ln_q ->
   RMSNorm -> + q with both norms over all heads, in one kernel (flash_norm_attention.py).
-Each module holds the op's reference (its CPU implementation and the tests' oracle); the Triton kernels
-and launchers are in ``*_kernels.py`` and are imported only when a CUDA tensor reaches the op.
+- ``host_probe``: an op that does nothing, timed to weigh the fused ops' host cost (host_probe.py).
+Each module holds one op: schema, fake implementation, reference (its CPU implementation and the tests'
+oracle), autograd, and the CUDA call into fusenorm_inductor/kernels/ with a configuration from
+fusenorm_inductor/tuning/ (the kernel modules are imported only when a CUDA tensor reaches the op).
+
+Every module of this package is imported here, so a new op's module registers its op without being listed.
 """
+
+import importlib
+import pkgutil
 
 # The attention ops' modules keep their names here (tests and tools set module flags such as
 # gdpa.VALIDATE_CUDA_OFFSETS): their functions are fusenorm_inductor.gdpa / fusenorm_inductor.flash_norm_attention.
@@ -39,3 +46,8 @@ __all__ = [
     "gdpa_reference",
     "flash_norm_attention_reference",
 ]
+
+for _module in pkgutil.iter_modules(__path__):
+    if not _module.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_module.name}")
+del _module

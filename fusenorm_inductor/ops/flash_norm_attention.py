@@ -18,7 +18,7 @@ Ops (registered on import):
 Python: ``flash_norm_attention(...) -> out`` and the references ``flash_norm_attention_reference(...)``
 (the 5-tuple) and ``flash_norm_attention_backward_reference(...)``.
 
-CPU runs the references; CUDA runs the Triton kernels of flash_norm_attention_kernels.py (module docstring
+CPU runs the references; CUDA runs the Triton kernels of kernels/triton/flash_norm_attention.py (module docstring
 there: the cross-head design).
 
 Rounding (both the reference and the kernels; "what an unfused bf16 graph does, or better"): everything is fp32

@@ -17,9 +17,9 @@ Two ops, both graph-visible (fake impls, so torch.compile traces through them):
 - ``fusenorm::gdpa_backward(dout, q, k, v, q_offsets, max_seq_len_q, activation, scale) -> (dq, dk, dv)``,
   what the autograd formula calls (an op of its own, so the traced backward holds one node, not a kernel
   launch on fake tensors).
-CPU: the references below (fp32 math, a loop over sequences). CUDA: the Triton kernels of gdpa_kernels.py; on
+CPU: the references below (fp32 math, a loop over sequences). CUDA: the Triton kernels of kernels/triton/gdpa.py; on
 sm_90 the forward runs the Gluon kernel of kernels/hopper/gdpa.py where it takes the inputs (bf16/fp16, D 64
-or 128, S a power of two <= 128; ``gdpa_kernels.gluon_unsupported`` says why not otherwise).
+or 128, S a power of two <= 128; ``kernels/triton/gdpa.gluon_unsupported`` says why not otherwise).
 
 Validation (``_check``, before anything runs): shapes, dtypes (q, k, v one of fp32/fp16/bf16, all the same;
 offsets int32), one device, the activation's name, max_seq_len_q a non-negative int, scale a finite number.

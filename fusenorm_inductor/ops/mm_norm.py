@@ -1,7 +1,11 @@
 """Post-norm forward: ``y = norm(a @ b + bias + residual)`` in one GEMM with the norm in its epilogue.
 
 Used by the pattern ``linear_norm_fwd`` (patterns/post_norm.py) for ``linear -> [+ residual] -> norm``.
-Reads top-down: Triton kernels -> launcher -> custom op ``fusenorm::mm_norm`` (fake, autograd) -> reference.
+Reads top-down: reference (the CPU implementation and the tests' oracle) -> custom op ``fusenorm::mm_norm``
+(fake, autograd) -> the CUDA call path: the launch plan cached per argument signature, else the configuration
+tuning picks (tuning/mm_norm.py) and the kernels' launcher (kernels/triton/mm_norm.py). The kernel modules
+and tuning/mm_norm.py are imported when a CUDA tensor first reaches the op (tuning/measure.py, whose plan
+key every call reads, imports no kernel).
 
 Outputs (y, hh, mean, rstd):
 - y    [M, N] in ``out_dtype``: the norm's output;
@@ -14,11 +18,14 @@ Outputs (y, hh, mean, rstd):
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
+from .. import config as settings  # "config" names the GemmConfig here
+from .. import graph_calls
+from ..tuning import measure
 from ._validate import check_eps, check_tensor
 from .norm import norm_backward, norm_reference
 
@@ -104,9 +111,7 @@ def mm_norm(
 
 
 def _cuda(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype=None, save_normed=False):
-    from ..kernels.triton.mm_norm import mm_norm_cuda
-
-    # Validated once per argument signature: the launcher caches its plan by what the checks read.
+    # Validated once per argument signature: mm_norm_cuda caches its plan by what the checks read.
     return mm_norm_cuda(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed,
                         lambda: _check(a, b, bias, residual, weight, norm_bias, eps))
 
@@ -116,6 +121,7 @@ def _cuda(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype=None, 
 # the outputs here are always fresh tensors, and Dynamo never traces into the op (it has a fake kernel).
 _LIB = torch.library.Library("fusenorm", "IMPL")
 _LIB.impl("mm_norm", _cuda, "CUDA")
+graph_calls.register("mm_norm", _cuda)  # compiled graphs call _cuda directly (graph_calls.py)
 
 
 @mm_norm.register_fake
@@ -168,3 +174,55 @@ def _backward(ctx, dy, _dhh, _dmean, _drstd):
 
 
 mm_norm.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CUDA: the launch plan, else tuning's configuration and the kernels' launcher
+# ----------------------------------------------------------------------------------------------------------
+
+_PLANS: dict[tuple, Callable] = {}  # plan_key -> launcher (mm_norm_cuda)
+
+
+def mm_norm_cuda(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed, check):
+    """The CUDA kernel of ``fusenorm::mm_norm`` as compiled graphs call it: the launch plan cached for this
+    argument signature (measure.plan_key: no validation, tuning lookup or JIT specialization per call), else
+    ``check()`` and ``mm_norm_tuned``, whose plan is kept when the launcher made one (the Gluon path; not while
+    a CUDA graph is captured, where the tuner could not measure)."""
+    from ..kernels.triton import mm_norm as kernels
+
+    key = measure.plan_key((a, b, bias, residual, weight, norm_bias), eps, is_rms, out_dtype, save_normed,
+                           settings.gluon, kernels._FORCE_BLOCK_N)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan(a, b, bias, residual, weight, norm_bias, eps)
+    check()
+    made: list = []
+    out = mm_norm_tuned(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed, plan_out=made)
+    if made and not torch.cuda.is_current_stream_capturing():
+        _PLANS[key] = made[0]
+    return out
+
+
+def mm_norm_tuned(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype=None, save_normed=False,
+                  plan_out=None):
+    """(y, hh, mean, rstd) of ``mm_norm_reference`` from the kernels' launcher (``mm_norm_triton``) with the
+    configuration ``forward_config`` picks (as measured at compile time, else the first candidate); inputs
+    already checked. Without rows nothing runs, so nothing is measured. A Gluon configuration whose
+    specialization spills (the launcher raises ``SpillError``) runs as the tl kernels' first choice instead.
+    ``plan_out``: the launcher's."""
+    from ..kernels.triton import mm_norm as kernels
+    from ..tuning import mm_norm as tuning
+
+    out_dtype = out_dtype or a.dtype
+    args = (a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed)
+    if a.shape[0] == 0:
+        return kernels.mm_norm_triton(*args, None, plan_out=plan_out)  # the empty outputs
+    config = tuning.forward_config(*args)
+    if config.kind.startswith("gl_"):
+        from ..kernels.hopper.common import SpillError
+
+        try:
+            return kernels.mm_norm_triton(*args, config, plan_out=plan_out)
+        except SpillError:
+            config = tuning.tl_fallback_config(a, b, residual, out_dtype, save_normed)
+    return kernels.mm_norm_triton(*args, config, plan_out=plan_out)

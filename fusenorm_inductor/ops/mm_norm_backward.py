@@ -7,19 +7,24 @@ dw and db (the norm's affine gradients) come out of the same kernel. ``extra`` i
 reaches the norm's output (a residual branch, other consumers) and is added to ``dy @ b`` first.
 
 Used by the pattern ``dgrad_norm_bwd`` (patterns/dgrad_norm_backward.py).
-Reads top-down: custom op ``fusenorm::mm_norm_backward`` (fake) -> reference; the Triton kernels and
-launcher live in ``mm_norm_backward_kernels.py``.
+Reads top-down: reference -> custom op ``fusenorm::mm_norm_backward`` (fake) -> the CUDA call path: the
+launch plan cached per argument signature, else the configuration tuning picks (tuning/mm_norm_backward.py)
+and the kernels' launcher (kernels/triton/mm_norm_backward.py), both imported when a CUDA tensor first
+reaches the op.
 
 Outputs (dx, dw, db): dx [M, N] in ``dx_dtype``; dw, db [N] fp32 (0-size without weight / bias).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
+from .. import config as settings  # "config" names the GemmConfig here
+from .. import graph_calls
+from ..tuning import measure
 from ._validate import check_tensor
 from .norm import norm_backward_reference
 
@@ -87,9 +92,7 @@ def mm_norm_backward(
 
 
 def _cuda(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype):
-    from ..kernels.triton.mm_norm_backward import mm_norm_backward_cuda
-
-    # Validated once per argument signature: the launcher caches its plan by what the checks read.
+    # Validated once per argument signature: mm_norm_backward_cuda caches its plan by what the checks read.
     return mm_norm_backward_cuda(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype,
                                  lambda: _check(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed))
 
@@ -97,6 +100,7 @@ def _cuda(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias
 # Registered with the dispatcher directly, as mm_norm's CUDA kernel (ops/mm_norm.py says why).
 _LIB = torch.library.Library("fusenorm", "IMPL")
 _LIB.impl("mm_norm_backward", _cuda, "CUDA")
+graph_calls.register("mm_norm_backward", _cuda)  # compiled graphs call _cuda directly (graph_calls.py)
 
 
 @mm_norm_backward.register_fake
@@ -115,3 +119,55 @@ def _no_double_backward(ctx, *grads):
 
 
 mm_norm_backward.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CUDA: the launch plan, else tuning's configuration and the kernels' launcher
+# ----------------------------------------------------------------------------------------------------------
+
+_PLANS: dict[tuple, Callable] = {}  # plan_key -> launcher (mm_norm_backward_cuda)
+
+
+def mm_norm_backward_cuda(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype, check):
+    """The CUDA kernel of ``fusenorm::mm_norm_backward`` as compiled graphs call it (as ``mm_norm_cuda`` in
+    ops/mm_norm.py): the launch plan cached for this argument signature, else ``check()`` and
+    ``mm_norm_backward_tuned``, whose plan is kept when the launcher made one (the Gluon path; not while a CUDA
+    graph is captured)."""
+    from ..kernels.triton import mm_norm_backward as kernels
+
+    key = measure.plan_key((dy, b, extra, src, weight, mean, rstd), is_rms, src_is_normed, has_bias, dx_dtype,
+                           settings.gluon, kernels._FORCE_BLOCK_N)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan(dy, b, extra, src, weight, mean, rstd)
+    check()
+    made: list = []
+    out = mm_norm_backward_tuned(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype,
+                                 plan_out=made)
+    if made and not torch.cuda.is_current_stream_capturing():
+        _PLANS[key] = made[0]
+    return out
+
+
+def mm_norm_backward_tuned(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype,
+                           plan_out=None):
+    """(dx, dw, db) of ``mm_norm_backward_reference`` from the kernels' launcher (``mm_norm_backward_triton``)
+    with the configuration ``backward_config`` picks (as measured at compile time, else the first candidate);
+    inputs already checked. Without rows nothing runs, so nothing is measured. A Gluon configuration whose
+    specialization spills (the launcher raises ``SpillError``) runs as the tl kernels' first choice instead.
+    ``plan_out``: the launcher's."""
+    from ..kernels.triton import mm_norm_backward as kernels
+    from ..tuning import mm_norm_backward as tuning
+
+    args = (dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype)
+    if dy.shape[0] == 0:
+        return kernels.mm_norm_backward_triton(*args, None, plan_out=plan_out)  # dx empty, dw and db zeros
+    config = tuning.backward_config(*args)
+    if config.kind.startswith("gl_"):
+        from ..kernels.hopper.common import SpillError
+
+        try:
+            return kernels.mm_norm_backward_triton(*args, config, plan_out=plan_out)
+        except SpillError:
+            config = tuning.tl_fallback_config(dy, b, dx_dtype)
+    return kernels.mm_norm_backward_triton(*args, config, plan_out=plan_out)

@@ -7,22 +7,28 @@ Used by the pattern ``norm_linear_fwd`` (patterns/pre_norm.py) for ``norm -> lin
   that loads A for the GEMM also accumulates each row's statistics, and the epilogue applies them:
       RMSNorm:   c = rstd * (a @ b') + bias'
       LayerNorm: c = rstd * (a @ b' - mean * colsum(b')) + bias'        (a rank-1 correction)
-  so ``norm(a)`` is never written (kernels: norm_mm_kernels.py).
+  so ``norm(a)`` is never written (kernels: kernels/triton/norm_mm.py, on sm_90 kernels/hopper/norm_mm.py).
 - ``fusenorm::mm_normed(x, a, mean, rstd, weight, norm_bias, is_rms)`` -> ``x @ norm(a)``: the linear's
   weight gradient ``dc^T @ y`` with y rebuilt from a and the saved row statistics, so the backward needs
   a, mean and rstd (which the norm's own backward reads anyway) and never a saved y.
 
 Outputs: c [M, N] in ``out_dtype`` (default a's dtype); mean [M] fp32 (0-size for RMSNorm); rstd [M] fp32.
-Reads top-down: reference (the CPU implementation and the tests' oracle) -> custom ops (fake, autograd).
+Reads top-down: reference (the CPU implementation and the tests' oracle) -> custom ops (fake, autograd) ->
+the CUDA call path: the launch plan cached per argument signature, else the configuration tuning picks
+(tuning/norm_mm.py) and the kernels' launcher. The kernel modules and tuning/norm_mm.py are imported when a
+CUDA tensor first reaches the op (tuning/measure.py, whose plan key every call reads, loads without triton).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
+from .. import config as settings  # "config" names the GemmConfig here
+from .. import graph_calls
+from ..tuning import measure
 from ._validate import check_eps, check_tensor
 from .norm import norm_backward, norm_reference
 
@@ -121,9 +127,7 @@ def norm_mm(
 
 
 def _cuda(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype=None):
-    from ..kernels.triton.norm_mm import norm_mm_cuda
-
-    # Validated once per argument signature: the launcher caches its plan by what the checks read.
+    # Validated once per argument signature: norm_mm_cuda caches its plan by what the checks read.
     return norm_mm_cuda(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype,
                         lambda: _check(a, b, bias, weight, norm_bias, eps))
 
@@ -131,6 +135,7 @@ def _cuda(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype=None):
 # Registered with the dispatcher directly, as mm_norm's CUDA kernel (ops/mm_norm.py says why).
 _LIB = torch.library.Library("fusenorm", "IMPL")
 _LIB.impl("norm_mm", _cuda, "CUDA")
+graph_calls.register("norm_mm", _cuda)  # compiled graphs call _cuda directly (graph_calls.py)
 
 
 @norm_mm.register_fake
@@ -190,14 +195,67 @@ def _cuda_normed(x, a, mean, rstd, weight, norm_bias, is_rms):
     _check_normed(x, a, mean, rstd, weight, norm_bias, is_rms)
     # y is rebuilt in a's dtype, the dtype the unfused graph saved it in, as a transient of this backward
     # op (never saved across the step), then cuBLAS. A kernel that normalizes A tiles on their way into
-    # the MMA would save that round trip (issue 4, not yet).
+    # the MMA would save that round trip (not written yet).
     from ..kernels.triton.norm_mm import normed_triton
 
     y = normed_triton(a, mean, rstd, weight, norm_bias, is_rms)
     return (x.to(a.dtype) @ y).to(x.dtype)
 
 
+graph_calls.register("mm_normed", _cuda_normed)
+
+
 @mm_normed.register_fake
 def _(x, a, mean, rstd, weight, norm_bias, is_rms):
     _check_normed(x, a, mean, rstd, weight, norm_bias, is_rms)
     return x.new_empty((x.shape[0], a.shape[1]))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CUDA: the launch plan, else tuning's configuration and the kernels' launcher
+# ----------------------------------------------------------------------------------------------------------
+
+_PLANS: dict[tuple, Callable] = {}  # plan_key -> launcher (norm_mm_cuda)
+
+
+def norm_mm_cuda(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype, check):
+    """The CUDA kernel of ``fusenorm::norm_mm`` as compiled graphs call it: the launch plan cached for this
+    argument signature (no validation, tuning lookup or JIT specialization per call), else ``check()`` and
+    ``norm_mm_tuned``, whose plan is kept when the launcher made one (the Gluon path; not while a CUDA graph is
+    captured, where the tuner could not measure)."""
+    key = measure.plan_key((a, b, bias, weight, norm_bias), eps, is_rms, out_dtype, settings.gluon)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan(a, b, bias, weight, norm_bias)
+    check()
+    made: list = []
+    out = norm_mm_tuned(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype, plan_out=made)
+    if made and not torch.cuda.is_current_stream_capturing():
+        _PLANS[key] = made[0]
+    return out
+
+
+def norm_mm_tuned(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype=None, plan_out=None):
+    """(c, mean, rstd) of ``norm_mm_reference`` from the kernels' launcher (``norm_mm_triton``) with the
+    configuration ``prenorm_config`` picks (as measured at compile time, else the first candidate); inputs
+    already checked. A Gluon configuration whose specialization spills (the launcher raises ``SpillError``)
+    runs as the tl kernels' first choice instead. ``plan_out``: the launcher's."""
+    from ..kernels.triton import norm_mm as kernels
+    from ..tuning import norm_mm as tuning
+
+    out_dtype = out_dtype or a.dtype
+    m, k = a.shape
+    if m == 0 or k == 0:
+        # Nothing to run, so nothing to measure: the launcher returns the empty outputs (M == 0) or raises
+        # (K == 0) before it reads the configuration it is given.
+        config = kernels.pointer_config(m, b.shape[1], k, a.dtype, a.device)
+        return kernels.norm_mm_triton(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype, config, plan_out)
+    config = tuning.prenorm_config(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype)
+    if config.kind.startswith("gl_"):
+        from ..kernels.hopper.common import SpillError
+
+        try:
+            return kernels.norm_mm_triton(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype, config, plan_out)
+        except SpillError:
+            config = tuning.tl_candidates(a, b, out_dtype)[0]
+    return kernels.norm_mm_triton(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype, config, plan_out)

@@ -109,20 +109,25 @@ def in_baseline_compile() -> bool:
     return getattr(_local, "on", False)
 
 
-def compile_unfused(fn: Callable, inputs: list) -> Callable:
+def compile_unfused(fn: Callable, inputs: list, training: bool = False,
+                    decompositions: Optional[dict] = None) -> Callable:
     """fn traced to an aten graph and compiled by Inductor for these (real) inputs, as plain Inductor would
-    (no CUDA graphs: the timer captures its own), with fusenorm's passes standing aside. Runs in the calling
-thread; ``time_compiled`` runs it in a worker thread to keep it apart from an outer compile."""
+    (no CUDA graphs: the timer captures its own), with fusenorm's passes standing aside. ``training``: the
+    inputs that require grad get gradients (AOTAutograd's forward and backward, as in a training step);
+    ``decompositions``: added to Inductor's own. Runs in the calling thread; ``time_compiled`` and
+    ``time_training_step`` run it in a worker thread to keep it apart from an outer compile."""
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
     was, _local.on = in_baseline_compile(), True
     try:
-        with torch.no_grad():
+        with torch.set_grad_enabled(training):
             gm = make_fx(fn)(*inputs)
+            table = {**select_decomp_table(), **decompositions} if decompositions else None
             with inductor_config.patch({"triton.cudagraphs": False}):
-                return compile_fx(gm, list(inputs))
+                return compile_fx(gm, list(inputs), decompositions=table)
     finally:
         _local.on = was
 
@@ -157,6 +162,50 @@ def time_compiled(fn: Callable, inputs: list, what: str) -> Optional[tuple[float
                                                f"decision estimates it (cuBLAS + a norm at copy speed)")
         return None
     return ms, us
+
+
+def time_training_step(fn: Callable, inputs: list, what: str, decompositions: Optional[dict] = None
+                       ) -> Optional[float]:
+    """Median ms of one training step of ``fn`` compiled by Inductor: the forward on ``inputs`` (the floating
+    ones require grad, as a layer's activations and parameters do) and the backward to all of them, timed as
+    a training step runs (CUDA events around plain calls, no CUDA graphs: the host's work counts).
+    ``decompositions``: extra ops to decompose (fusenorm's canonical norm backward, as its joint pass does);
+    None (warned once per reason) where it cannot be compiled or run."""
+    from triton.testing import do_bench
+
+    device = inputs[0].device
+
+    def work():
+        torch.cuda.set_device(device)
+        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+        wants = [t for t in leaves if t.requires_grad]
+        t0 = time.perf_counter()
+        try:
+            compiled = compile_unfused(fn, leaves, training=True, decompositions=decompositions)
+        finally:
+            measure.add_spent("inductor_compile", time.perf_counter() - t0)
+        out = compiled(*leaves)
+        out = out[0] if isinstance(out, (list, tuple)) else out
+        grad = torch.randn_like(out)
+
+        def step():
+            o = compiled(*leaves)
+            torch.autograd.grad(o[0] if isinstance(o, (list, tuple)) else o, wants, grad)
+
+        t1 = time.perf_counter()
+        try:
+            return float(do_bench(step, rep=config.tuning.rep_ms * 4, return_mode="median"))
+        finally:
+            measure.add_spent("timing", time.perf_counter() - t1)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fusenorm-baseline") as pool:
+            ms = pool.submit(work).result()
+    except Exception as e:  # noqa: BLE001 - the decision then declines (it cannot judge the step)
+        err = measure.first_line(e)
+        measure.warn_once(("step", err), f"could not compile and time a training step of the {what} ({err})")
+        return None
+    return ms if 0 < ms < float("inf") else None
 
 
 def enabled(device: torch.device) -> bool:

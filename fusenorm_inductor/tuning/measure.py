@@ -1,20 +1,24 @@
-"""Per-shape measurements on the GPU and their cache, shared by the kernels' launchers and the fuse decision.
+"""Per-shape measurements on the GPU and their cache, shared by the launch-time choice and the fuse decision.
 
-The launchers (``forward_config`` in mm_norm_kernels.py, ``backward_config``, ``prenorm_config``) ask
-``tuned_config`` which of their candidate configurations runs: the cached measurement for the call's shape,
-else measure now (each candidate timed with CUDA graphs on random inputs of the call's shape, the fastest
-kept) and cache. Without CUDA, with tuning off, or while a CUDA graph is being captured, the first candidate
-(the kernels' best guess) runs and nothing is cached. The compile-time decision whether to fuse at all
-(tuning.py) reads and writes the same entries. This module imports no kernel module: the launchers pass their
-candidates and their measuring function in.
+The launch-time choices (``forward_config`` in tuning/mm_norm.py, ``backward_config`` in
+tuning/mm_norm_backward.py, ``prenorm_config`` in tuning/norm_mm.py) ask ``tuned_config`` which of their
+candidate configurations runs: the cached measurement for the call's shape, else the one for its bucket of
+rows (``bucket_key``: a dynamic-M graph is decided at its traced M, and that decision serves the M of the same
+bucket), else the first candidate (the kernels' best guess). A launch never measures: it runs inside the
+user's step. Measuring happens at compile time, in the decision whether to fuse at all (tuning/decide.py:
+each candidate timed with CUDA graphs on random inputs of the shape, the fastest kept), which writes the
+entries the launches read. This module imports no kernel module: the op's tuning module passes its candidates and its
+measuring function in.
 
 Deterministic mode (``torch.use_deterministic_algorithms(True)``): nothing is timed and the cache is not
 read, since timings (and so the choices made from them) differ from run to run. Every launch runs the
 kernels' first candidate.
 
 The cache is a JSON file (``config.tuning.cache_dir``, default ``~/.cache/fusenorm``) keyed by the GPU,
-torch and triton versions, a hash of the kernel sources, the shape, dtypes and flags. Entries are merged on
-write, so concurrent processes only ever lose each other's newest entries, never corrupt the file.
+torch and triton versions, a hash of every package file, the TF32 setting and Inductor's mode, the shape,
+dtypes and flags. Writers merge their entry into the file under a file lock and replace it atomically, so
+concurrent processes lose nothing and readers never see half a file; a failed measurement (an inf or NaN
+time) is kept in the process, never written.
 Nothing about the cache fails a compile or a launch: a file that cannot be parsed or is not a JSON object,
 and an entry of the wrong shape, count as absent (that shape is measured again, or runs the first candidate
 where it cannot be), and a cache directory that cannot be written keeps measurements in the process only;
@@ -159,18 +163,39 @@ def _read_disk() -> dict:
     return data
 
 
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive lock on ``path`` + ".lock" for a read-merge-replace of the cache file: without it two
+    processes storing at once each replace the file with their own merge and one's entries are lost (six
+    processes storing 40 entries each kept about half). Readers need none: the file is replaced atomically.
+    Where ``fcntl`` is missing (Windows) writes go unlocked, as before."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 def _write_disk(key: str, entry: dict) -> None:
     path = _cache_file()
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read_disk()  # a malformed file (warned) is replaced by one holding this entry
-        data[key] = entry
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=0, sort_keys=True)
-        os.replace(tmp, path)  # atomic: readers see the old or the new file, never half of one
-        tmp = None
+        with _file_lock(path):
+            data = _read_disk()  # a malformed file (warned) is replaced by one holding this entry
+            data[key] = entry
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-")
+            with os.fdopen(fd, "w") as f:
+                # Strict JSON: an inf or NaN here is a bug (failed measurements are never stored), not a time.
+                json.dump(data, f, indent=0, sort_keys=True, allow_nan=False)
+            os.replace(tmp, path)  # atomic: readers see the old or the new file, never half of one
+            tmp = None
     except (OSError, TypeError, ValueError) as e:
         # An unwritable cache only costs re-measuring in the next process.
         warn_once(("write", str(path.parent)),
@@ -189,7 +214,8 @@ def entry_problem(entry) -> Optional[str]:
         return f"an entry is {type(entry).__name__}, not an object"
     for name in ("t_fused_ms", "t_unfused_ms"):
         t = entry.get(name)
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:  # inf is fine, NaN is not
+        # An inf (a failed measurement, written by earlier versions) counts as absent: measured again.
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t >= 0 and math.isfinite(t)):
             return f"an entry's {name!r} is {t!r}, not a time in ms"
     try:
         config_of(entry)
@@ -199,12 +225,14 @@ def entry_problem(entry) -> Optional[str]:
 
 
 def lookup(key: tuple) -> Optional[dict]:
-    """The entry for key: this process's, else the disk cache's (a malformed one counts as absent), else None."""
+    """The entry for key (in the current ``_context``): this process's, else the disk cache's (a malformed one
+    counts as absent), else None."""
+    key, disk_key = (*key, _context()), _disk_key(key)
     if key in _memo:
         return _memo[key]
     if key in _misses:
         return None
-    data, disk_key = _read_disk(), _disk_key(key)
+    data = _read_disk()
     entry = data.get(disk_key)
     if disk_key in data:
         problem = entry_problem(entry)
@@ -218,23 +246,104 @@ def lookup(key: tuple) -> Optional[dict]:
     return entry
 
 
-def store(key: tuple, entry: dict) -> None:
+def _ranks() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without torch.distributed."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or not config.tuning.agree_across_ranks:
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def agreed(key: tuple, decide: Callable[[], dict]) -> dict:
+    """``decide()``'s entry for ``key``, the same on every rank: under torch.distributed rank 0 decides (from its
+    cache or by measuring) and broadcasts its entry, which the other ranks keep as their own, so that no two
+    ranks compile different graphs from different timings. Every rank must ask for the same keys in the same
+    order: they compile the same graphs (SPMD, as DDP and FSDP do); where they do not, turn
+    ``config.tuning.agree_across_ranks`` off and each rank decides alone."""
+    rank, world = _ranks()
+    if world == 1:
+        return decide()
+    import torch.distributed as dist
+
+    box = [decide() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    entry = box[0]
+    if rank != 0:
+        store(key, entry, bucket=True)
+    return entry
+
+
+def store(key: tuple, entry: dict, bucket: bool = False) -> None:
+    """Keep ``entry`` for ``key`` (and, with ``bucket``, for ``bucket_key(key)`` too: a compile-time decision
+    also answers the launches of other M in its bucket)."""
+    if bucket and bucket_key(key) != key:
+        store(bucket_key(key), entry)
+    disk_key, key = _disk_key(key), (*key, _context())
     _memo[key] = entry
     _generation[0] += 1
     _misses.discard(key)
-    if entry.get("t_unfused_ms") is not None:  # without it (a failed bandwidth probe) it stays in this process
-        _write_disk(_disk_key(key), entry)
+    # Kept in this process only: an entry without the unfused time (a failed bandwidth probe), and one with a
+    # failed measurement (an inf or NaN anywhere: a candidate that raised, e.g. after a transient CUDA error),
+    # which on disk would keep that shape's verdict until the sources change. The next process measures again.
+    if entry.get("t_unfused_ms") is not None and _finite(entry):
+        _write_disk(disk_key, entry)
+
+
+def _finite(v) -> bool:
+    """Whether every number in ``v`` (nested dicts and lists) is finite."""
+    if isinstance(v, dict):
+        return all(_finite(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return all(_finite(x) for x in v)
+    return not isinstance(v, float) or math.isfinite(v)
+
+
+def _context() -> tuple:
+    """What besides the shapes changes a measurement: whether fp32 GEMMs may use TF32 (the kernels' and
+    cuBLAS's speed, and so both sides), and the Inductor mode the unfused side is compiled in (max-autotune
+    picks other GEMMs and kernels for Inductor's own code, tuning/baseline.py)."""
+    import torch._inductor.config as inductor_config
+
+    from ..kernels.triton import common
+
+    autotune = inductor_config.max_autotune or inductor_config.max_autotune_gemm
+    return ("tf32" if common._cuda_matmul_allows_tf32() else "ieee",
+            "max-autotune" if autotune else "default",
+            "coordinate-descent" if inductor_config.coordinate_descent_tuning else "")
 
 
 def _disk_key(key: tuple) -> str:
-    return json.dumps([_device_tag(key[1]), _sources_hash(), key[0], *key[2:]], default=str)
+    return json.dumps([_device_tag(key[1]), _sources_hash(), key[0], *key[2:], *_context()], default=str)
 
 
-def spec(t: Optional[Tensor]):
-    """What of an argument decides the kernel and its speed (None stays None)."""
+def spec(t: Optional[Tensor], rows: bool = False):
+    """What of an argument decides the kernel and its speed (None stays None). ``rows``: t's first dim is the
+    op's M (the rows of the activations, symbolic under dynamic shapes): marked so that ``bucket_key`` can
+    find it."""
     if t is None:
         return None
-    return (tuple(t.shape), tuple(t.stride()), str(t.dtype))
+    shape = tuple(t.shape)
+    if rows:
+        shape = (("rows", shape[0]), *shape[1:])
+    return (shape, tuple(t.stride()), str(t.dtype))
+
+
+def row_bucket(m: int) -> int:
+    """The bucket of a row count: the next power of two (a kernel's best configuration changes slowly with M;
+    one decision per bucket is what a dynamic-M graph gets)."""
+    return 1 << max(0, int(m) - 1).bit_length()
+
+
+def bucket_key(key: tuple) -> tuple:
+    """``key`` with every row count (``spec(..., rows=True)``) replaced by its bucket."""
+    def one(part):
+        if isinstance(part, tuple) and len(part) == 3 and isinstance(part[0], tuple) and part[0] \
+                and isinstance(part[0][0], tuple) and part[0][0][:1] == ("rows",):
+            return ((("rows~", row_bucket(part[0][0][1])), *part[0][1:]), *part[1:])
+        return part
+
+    return tuple(one(p) for p in key)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -285,8 +394,11 @@ def time_ms(fn: Callable[[], object], give_up_ms: Optional[float] = None) -> flo
             if quick is not None and quick > give_up_ms:
                 return quick
         return float(do_bench_cudagraph(fn, rep=config.tuning.rep_ms, return_mode="median"))
-    except Exception:  # noqa: BLE001 - a failing candidate is simply not chosen
-        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - a failing candidate is simply not chosen (and its entry not stored)
+        try:
+            torch.cuda.synchronize()  # let an asynchronous failure surface here, not in the next candidate
+        except Exception:  # noqa: BLE001 - a sticky CUDA error raises again: it is the same failure
+            pass
         return float("inf")
     finally:
         add_spent(part, time.perf_counter() - t0)
@@ -373,27 +485,25 @@ def plus(t_mm: float, t_norm: Optional[float]) -> Optional[float]:
 
 @functools.cache
 def _copy_kernel():
-    import triton
-    import triton.language as tl
+    """The copy kernel the bandwidth probe times (a function, so that tests can stand in for it)."""
+    from ..kernels.triton.common import copy_kernel
 
-    @triton.jit
-    def copy(src, dst, numel, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-
-    return copy
+    return copy_kernel
 
 
 def copy_bandwidth_gbps(device: torch.device) -> float:
-    """Streaming bandwidth (read + write) of a wide Triton copy of 1 GiB, GB/s; measured once per device
-    and process (also the benchmark's bandwidth ceiling). 0.0 when the probe fails (the copy does not run,
-    or 1 GiB is not free): that warns once per device and is not remembered, so the next call probes again."""
+    """Streaming bandwidth (read + write) of a wide Triton copy of 256 MiB, GB/s; measured once per device
+    and process (also the benchmark's bandwidth ceiling). 256 MiB is several times any L2, so the copy runs at
+    memory speed; the two buffers go back to the driver after the probe where it made the caching allocator
+    reserve more (a compile must not leave the user's process holding memory). 0.0 when the probe fails (the
+    copy does not run, or the memory is not free): that warns once per device and is not remembered, so the
+    next call probes again."""
     key = ("copy_gbps", device)
     if key in _memo:
         return _memo[key]["gbps"]
-    numel = 1 << 29
+    numel = 1 << 27
     ms, err = math.inf, "the timed copy kernel failed"
+    reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     try:
         import triton
 
@@ -406,6 +516,8 @@ def copy_bandwidth_gbps(device: torch.device) -> float:
             del src, dst
     except Exception as e:  # noqa: BLE001 - a failed probe only leaves the fuse decisions unmeasured
         err = first_line(e)
+    if device.type == "cuda" and torch.cuda.memory_reserved(device) > reserved:
+        torch.cuda.empty_cache()
     if not 0 < ms < math.inf:  # inf (failed), NaN, or a timer that returned nothing sensible
         warn_once(("probe", str(device)),
                    f"the copy-bandwidth probe on {device} failed ({err}); fuse decisions that need the unfused "
@@ -490,23 +602,13 @@ def host_us(fn: Callable[[], object], calls: int = 20, repeats: int = 5, gpu_ms:
         add_spent("host", time.perf_counter() - start)
 
 
-@torch.library.custom_op("fusenorm::host_probe", mutates_args=())
-def _host_probe(x: Tensor) -> Tensor:
-    """An op that does nothing: its call is what dispatching a fusenorm custom op costs the host."""
-    return x.new_empty((0,))
-
-
-@_host_probe.register_fake
-def _(x):
-    return x.new_empty((0,))
-
-
 def _call_overhead_us() -> float:
     """Host time per fused call outside the launch itself (measured once per process, device and call path):
     with direct graph calls (graph_calls.py) the call wrapper, the launch plan's lookup and Inductor's size
     checks on the op's outputs (up to four: y and what the backward keeps); otherwise the dispatcher's round
     trip into the custom op and the plan's lookup."""
     from .. import graph_calls
+    from ..ops.host_probe import host_probe, host_probe_cuda
 
     direct = graph_calls.active()
     key = ("call_overhead_us", torch.cuda.current_device(), direct)
@@ -517,7 +619,7 @@ def _call_overhead_us() -> float:
             if direct:
                 from torch._C._dynamo.guards import assert_size_stride
 
-                call = graph_calls.wrap("fusenorm::host_probe", _host_probe_cuda, _host_probe)
+                call = graph_calls.wrap("fusenorm::host_probe", host_probe_cuda, host_probe)
 
                 def probe():
                     out = (call(x), x, x, x)
@@ -533,10 +635,6 @@ def _call_overhead_us() -> float:
             us = host_us(probe, calls=100)
         _memo[key] = {"us": us or 0.0}
     return _memo[key]["us"]
-
-
-def _host_probe_cuda(x: Tensor) -> Tensor:
-    return x.new_empty((0,))
 
 
 def fused_host_us(launch: Callable[[], object], gpu_ms: Optional[float] = None) -> Optional[float]:
@@ -591,40 +689,16 @@ def config_of(entry: dict):
     return GemmConfig(*cfg)
 
 
-def tuned_config(key: tuple, device: torch.device, candidates: Callable[[], list], measure: Callable[[], dict]):
-    """The cached measurement when there is one (also while a CUDA graph is captured: the launcher's hot
-    path is one dict lookup), else measure now and cache, else (no CUDA, tuning off, capturing, or a single
-    candidate) the first candidate. In deterministic mode always the first candidate (module docstring)."""
+def tuned_config(key: tuple, device: torch.device, candidates: Callable[[], list]):
+    """The configuration a launch runs: the measurement the compile-time decision cached for this shape (also
+    while a CUDA graph is captured: the launcher's hot path is one dict lookup), else the one cached for its
+    bucket of M (``bucket_key``: what a dynamic-M graph was decided at), else the kernels' first candidate.
+    Never a timing: a launch happens inside the user's step, where measuring (CUDA-graph captures, a nested
+    compile) would stall it. In deterministic mode always the first candidate (module docstring)."""
     if torch.are_deterministic_algorithms_enabled():
         return candidates()[0]
     if device.type == "cuda":
-        entry = lookup(key)
+        entry = lookup(key) or lookup(bucket_key(key))
         if entry is not None:
             return config_of(entry)
-    cands = candidates()
-    if len(cands) == 1 or not can_measure(device):
-        return cands[0]
-    entry = measure()
-    store(key, entry)
-    return config_of(entry)
-
-
-def forward_key(a, b, bias, residual, weight, norm_bias, is_rms, out_dtype, save_normed) -> tuple:
-    return (
-        "mm_norm", a.device, spec(a), spec(b), spec(bias), spec(residual), spec(weight), spec(norm_bias),
-        bool(is_rms), str(out_dtype or a.dtype), bool(save_normed),
-    )
-
-
-def backward_key(dy, b, extra, src, weight, is_rms, src_is_normed, has_bias, dx_dtype) -> tuple:
-    return (
-        "mm_norm_backward", dy.device, spec(dy), spec(b), spec(extra), spec(src), spec(weight),
-        bool(is_rms), bool(src_is_normed), bool(has_bias), str(dx_dtype),
-    )
-
-
-def prenorm_key(a, b, bias, weight, norm_bias, is_rms, out_dtype) -> tuple:
-    return (
-        "norm_mm", a.device, spec(a), spec(b), spec(bias), spec(weight), spec(norm_bias),
-        bool(is_rms), str(out_dtype or a.dtype),
-    )
+    return candidates()[0]
