@@ -1,43 +1,52 @@
-"""fusenorm's patterns, one named object each; ``run_stage`` applies those of a stage in order.
+"""fusenorm's patterns, one named class each; ``run_stage`` applies those of a stage in order.
 
-pre_grad: canonical_layer_norm, canonical_rms_norm, canonical_llama_rms_norm, canonical_t5_rms_norm,
-          canonical_gemma_rms_norm, canonical_manual_layer_norm (patterns/canonical_norms.py),
-          then attention_block, attention_block_dense (attention_block.py: they match the canonical norms),
-          then norm_prospects (prospects.py: canonical norms no fusion would take go back as written)
-joint:    linear_norm_fwd (post_norm.py), norm_linear_fwd (pre_norm.py), dgrad_norm_bwd
-          (dgrad_norm_backward.py), then the decomposition of canonical ops left unfused (decompose.py)
+A pattern is a class of a module of this package that declares its ``stage`` (``pre_grad``: Dynamo's
+torch-level graph; ``joint``: the ATen joint graph, before partitioning) and its ``order`` in that stage
+(base.Pattern). Every module is imported here and each stage runs its patterns by ascending order, so a new
+pattern needs only its own file; its ``order`` comment says why it runs where it does. A joint-graph fusion
+that takes canonical norms also defines ``prospect``, which ``norm_prospects`` asks at the pre-grad stage
+(views.py).
+
+The order (built from the classes when the package is imported):
+
 """
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
 
 import torch.fx as fx
 
 from fusenorm_inductor import ops  # noqa: F401  (the patterns name the custom ops)
 from fusenorm_inductor.report import GraphReport
 
-from .attention_block import PATTERNS as ATTENTION_PATTERNS
-from .canonical_norms import PRE_GRAD_PATTERNS
-from .decompose import DecomposeUnfused, decompose_all
-from .dgrad_norm_backward import DgradNormBwd
-from .post_norm import LinearNormFwd
-from .pre_norm import NormLinearFwd
-from .prospects import NormProspects
+from .base import STAGE_NAMES, stage_patterns
+from .decompose import decompose_all
 
-STAGES = {
-    # The attention block after the canonical norms: it matches fusenorm::norm nodes, and the norms it
-    # takes are gone before the joint-graph patterns run.
-    # Then the norms no joint fusion would take go back as written, so Inductor compiles them as without us.
-    "pre_grad": PRE_GRAD_PATTERNS + ATTENTION_PATTERNS + (NormProspects(),),
-    # Forward fusions first: they change what the norm backward reads, which the backward fusion keeps.
-    # Post-norm before pre-norm: a norm between two linears goes to the one before it when that fuses.
-    "joint": (LinearNormFwd(), NormLinearFwd(), DgradNormBwd(), DecomposeUnfused()),
-}
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
-PATTERN_NAMES = tuple(p.name for stage in STAGES.values() for p in stage if p.name not in ("decompose_unfused", "norm_prospects"))
+STAGES = {stage: stage_patterns(stage) for stage in STAGE_NAMES}
+
+PATTERN_NAMES = tuple(p.name for stage in STAGES.values() for p in stage if p.counted)
 
 
 def run_stage(stage: str, graph: fx.Graph, rep: GraphReport) -> int:
     return sum(p.apply(graph, rep) for p in STAGES[stage])
 
 
-__all__ = ["run_stage", "decompose_all", "STAGES", "PATTERN_NAMES"]
+def order_table() -> str:
+    """Each stage's patterns in the order they run, with their order numbers and modules."""
+    lines = []
+    for stage, patterns in STAGES.items():
+        for i, p in enumerate(patterns):
+            module = type(p).__module__.rpartition(".")[2]
+            lines.append(f"{stage + ':' if i == 0 else '':<10}{p.order:>4g}  {p.name} ({module}.py)")
+    return "\n".join(lines) + "\n"
+
+
+if __doc__ is not None:  # python -OO strips docstrings
+    __doc__ += order_table()
+
+__all__ = ["run_stage", "decompose_all", "order_table", "STAGES", "PATTERN_NAMES"]

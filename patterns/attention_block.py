@@ -24,10 +24,12 @@ Two forms:
   the operands' layouts are checked semantically (einsum subscripts composed with any permute/transpose), so
   ``einsum("blhd,bshd->bhls")`` and ``ln.transpose(1, 2) @ k.permute(0, 2, 3, 1)`` are both recognized. The
   elementwise chain from S to P is identified numerically: it must be built from elementwise torch ops of S
-  and constants only, and, evaluated in fp64 on a grid of 1,400 scores in [-40, 40], equal ``c * act(S)`` to
-  1e-6 (relative) for one activation name of ``ops/activations.py`` and one constant c (the scale): the
-  tanh-form GELU written out, ``F.gelu(approximate="tanh")``, ``F.gelu``, ``F.silu``, ``F.relu``, none
-  ("raw"), with the scale before or after. Rewritten with q viewed ``[B*L, H, D]`` and offsets
+  and constants only, and equal ``c * act(S)`` for every S, read from its structure (activation_forms.py: the
+  chain as a sympy expression, compared with each activation's definition) for one activation name of
+  ``fusenorm_inductor/activations.py`` and one constant c (the scale): the tanh-form GELU written out,
+  ``F.gelu(approximate="tanh")``, ``F.gelu``, ``F.silu``, ``F.relu``, none ("raw"), with the scale after
+  (before, too, for relu and raw, where it is the same function); a clamp, a soft-cap or any other op is
+  rejected with the reason. Rewritten with q viewed ``[B*L, H, D]`` and offsets
   ``arange(B + 1) * L``: every padded row is computed, like the original, so the result is the same.
   A padding mask multiplied into o after the first residual (``o = o * mask[..., None, None]``) is kept
   exactly when the mask is boolean (``out = where(mask, fused, q)``: a zeroed row's RMSNorm is 0, its output
@@ -56,9 +58,9 @@ from torch.fx import Node
 
 from fusenorm_inductor import config, fx_utils
 from fusenorm_inductor.fx_utils import val
-from fusenorm_inductor.activations import ACTIVATIONS, act_reference
 from fusenorm_inductor.report import GraphReport
 
+from .activation_forms import identify_activation
 from .base import Pattern, Reject, bind_op_args, describe, require
 
 for _mod in ("gdpa", "flash_norm_attention"):  # the modules register the ops on import
@@ -207,37 +209,6 @@ _ELEMENTWISE_METHODS = {"add", "sub", "mul", "div", "neg", "pow", "tanh", "erf",
                         "clamp", "clamp_min", "square", "__mul__", "__add__", "__rmul__", "__radd__"}
 _SOFTMAX = ("softmax", "log_softmax")
 _SOFTMAX_FNS = (torch.softmax, F.softmax, torch.log_softmax, F.log_softmax, torch._softmax)
-
-
-def _probe() -> torch.Tensor:
-    grid = torch.linspace(-8.0, 8.0, 1201, dtype=torch.float64)
-    tails = torch.linspace(8.0, 40.0, 100, dtype=torch.float64)
-    return torch.cat([-tails.flip(0), grid, tails])
-
-
-def identify_activation(graph_nodes: list[Node], s: Node, p: Node) -> tuple[str, float]:
-    """Name and scale of the elementwise map S -> P built by ``graph_nodes`` (in graph order)."""
-    sub = fx.Graph()
-    env = {s: sub.placeholder("s")}
-    for n in graph_nodes:
-        env[n] = sub.node_copy(n, lambda x: env[x])
-    sub.output(env[p])
-    x = _probe()
-    with torch.no_grad():
-        try:
-            y = fx.GraphModule(torch.nn.Module(), sub)(x)
-        except Exception as e:  # a constant of another device or dtype, an op with no fp64 kernel...
-            raise Reject(f"the map from the scores to P could not be evaluated ({type(e).__name__}: {e})")
-    require(isinstance(y, torch.Tensor) and y.shape == x.shape and y.dtype == torch.float64,
-            "the map from the scores to P is not elementwise")
-    ymax = y.abs().max().item()
-    for name in ACTIVATIONS:
-        a = act_reference(x, name)
-        c = (torch.dot(y, a) / torch.dot(a, a)).item()
-        if math.isfinite(c) and (y - c * a).abs().max().item() <= 1e-6 * max(ymax, 1e-30):
-            return name, c
-    raise Reject("the elementwise map from the scores to P is none of the activations "
-                 f"{', '.join(ACTIVATIONS)} times a constant")
 
 
 def _rms_after(o: Node) -> bool:
@@ -468,6 +439,9 @@ class FlashNormAttentionGdpa(_BlockPattern):
     """LayerNorm_{H*D}(q) -> ``fusenorm::gdpa`` -> + ln_q -> RMSNorm_{H*D} -> + q, q jagged ``[T, H, D]``."""
 
     name = "attention_block"
+    # After the canonical norms: it matches fusenorm::norm nodes; the norms it takes are gone before the
+    # prospects step and the joint-graph patterns.
+    order = 20
 
     def candidates(self, graph: fx.Graph) -> Iterable[Node]:
         gdpa = _op("gdpa")
@@ -510,6 +484,7 @@ class FlashNormAttentionDense(_BlockPattern):
     (times a constant) -> einsum/matmul with V -> + ln_q -> [bool mask] -> RMSNorm_{H*D} -> + q."""
 
     name = "attention_block_dense"
+    order = 21
 
     def candidates(self, graph: fx.Graph) -> Iterable[Node]:
         out = []
@@ -609,5 +584,3 @@ class FlashNormAttentionDense(_BlockPattern):
         order = {n: i for i, n in enumerate(s.graph.nodes)}
         return pv, sorted(chain, key=order.__getitem__)
 
-
-PATTERNS = (FlashNormAttentionGdpa(), FlashNormAttentionDense())

@@ -1,9 +1,10 @@
-"""What every pattern shares: a name (the counter, config switch and report name), a stage, the candidate
-nodes it looks at, and guards that reject a candidate with a reason the match report shows."""
+"""What every pattern shares: a name (the counter, config switch and report name), a stage and its place in
+it, the candidate nodes it looks at, and guards that reject a candidate with a reason the match report shows."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+import sys
+from typing import Any, Callable, Iterable, Optional
 
 import torch.fx as fx
 from torch.fx import Node
@@ -21,10 +22,22 @@ def require(cond: Any, reason: str) -> None:
         raise Reject(reason)
 
 
+STAGE_NAMES = ("pre_grad", "joint")
+
+
 class Pattern:
     name: str = ""
-    stage: str = ""  # "pre_grad" or "joint"
+    stage: str = ""  # one of STAGE_NAMES
+    # Where the pattern runs in its stage (ascending). A class that declares it runs as a pattern; one that does
+    # not (a base shared by patterns) does not. patterns/__init__.py lists the resulting order.
+    order: Optional[float] = None
     switch: Optional[str] = None  # config attribute that turns the pattern on/off (None: always on)
+    counted: bool = True  # False: a step that rewrites nothing under its own name (not in PATTERN_NAMES)
+    anchor: Any = None  # the op whose nodes are the candidates (None: ``candidates`` says)
+    # A joint-graph fusion that takes canonical norms defines ``prospect(norm, view)``: at the pre-grad stage,
+    # return when it would take ``norm`` (a ``fusenorm::norm`` node), raise Reject(reason) when not; ``view``
+    # (patterns/views.py) is the graph as the fusion's match reads it. norm_prospects asks each such fusion.
+    prospect: Optional[Callable[..., None]] = None
 
     def enabled(self) -> bool:
         if self.switch is None:
@@ -35,7 +48,9 @@ class Pattern:
         return bool(obj)
 
     def candidates(self, graph: fx.Graph) -> Iterable[Node]:
-        raise NotImplementedError
+        if self.anchor is None:
+            raise NotImplementedError
+        return [n for n in graph.nodes if is_op(n, self.anchor)]
 
     def match(self, node: Node) -> Any:
         """Return what ``rewrite`` needs, or raise Reject(reason)."""
@@ -60,6 +75,29 @@ class Pattern:
             self.rewrite(graph, m, rep)
             count += 1
         return count
+
+
+def stage_patterns(stage: str) -> tuple[Pattern, ...]:
+    """One instance of every pattern class of this package whose stage is ``stage``, in their order. The
+    package's __init__ imports each of its modules first, so every class is defined by then (a class replaced
+    by a reload of its module is not its module's any more: skipped)."""
+    package = __name__.rpartition(".")[0] + "."
+    found, todo = [], list(Pattern.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if (vars(cls).get("order") is None or not cls.__module__.startswith(package)
+                or getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is not cls):
+            continue
+        if cls.stage not in STAGE_NAMES:
+            raise ValueError(f"pattern {cls.name}: unknown stage {cls.stage!r}")
+        if cls.stage == stage:
+            found.append(cls)
+    found.sort(key=lambda cls: cls.order)
+    for a, b in zip(found, found[1:]):
+        if a.order == b.order:
+            raise ValueError(f"patterns {a.name} and {b.name} have the same order ({a.order}) in stage {stage}")
+    return tuple(cls() for cls in found)
 
 
 # ---- argument helpers ------------------------------------------------------------------------------------

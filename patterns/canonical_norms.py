@@ -133,6 +133,7 @@ class LayerNormCall(_NormCall):
     """``F.layer_norm`` / ``torch.layer_norm`` (what ``nn.LayerNorm`` traces to)."""
 
     name = "canonical_layer_norm"
+    order = 10  # the canonical forms (10-15) first: the patterns after them match fusenorm::norm nodes
     targets = (F.layer_norm, torch.layer_norm)
 
     def bind(self, node: Node) -> dict[str, Any]:
@@ -144,6 +145,7 @@ class RMSNormCall(_NormCall):
     """``F.rms_norm`` / ``torch.rms_norm`` (what ``nn.RMSNorm`` traces to); eps=None is the dtype's eps."""
 
     name = "canonical_rms_norm"
+    order = 11
     targets = tuple(t for t in (getattr(F, "rms_norm", None), torch.rms_norm) if t is not None)
     is_rms = True
 
@@ -176,6 +178,36 @@ def _float_cast_source(node: Any) -> Any:
         if dtype is torch.float32 and len(node.args) <= 2:
             return node.args[0]
     return None
+
+
+# Ops whose result depends on their arguments alone, so two calls with equal arguments are one value.
+_PURE_METHODS = {"float", "to", "type_as", "pow", "square", "mul", "add", "mean", "rsqrt"}
+_PURE_FUNCTIONS = {torch.pow, operator.pow, torch.square, operator.mul, torch.mul, operator.add, torch.add,
+                   torch.mean, torch.rsqrt}
+
+
+def _strip_noop_cast(n: Any) -> Any:
+    """``n`` without casts that change nothing (``x.float()`` of an fp32 x, ``.to(t.dtype)``, ``.type_as(t)``
+    of the same dtype, repeated)."""
+    while isinstance(n, Node) and (_float_cast_source(n) is not None or _is_cast(n)) and n.args \
+            and isinstance(n.args[0], Node) and getattr(val(n.args[0]), "dtype", None) == getattr(val(n), "dtype", 0):
+        n = n.args[0]
+    return n
+
+
+def _same(a: Any, b: Any, depth: int = 8) -> bool:
+    """Whether ``a`` and ``b`` are the same value: the same node, or calls of the same pure op on the same
+    values (a hand-written norm that writes ``x.float()`` twice, once for the variance and once for the
+    product), seen through casts that change nothing."""
+    a, b = _strip_noop_cast(a), _strip_noop_cast(b)
+    if a is b:
+        return True
+    if not (isinstance(a, Node) and isinstance(b, Node)) or depth == 0:
+        return False
+    pure = (a.op == "call_method" and a.target in _PURE_METHODS) or \
+        (a.op == "call_function" and a.target in _PURE_FUNCTIONS)
+    return (pure and a.op == b.op and a.target == b.target and a.kwargs == b.kwargs and len(a.args) == len(b.args)
+            and all(_same(x, y, depth - 1) if isinstance(x, Node) else x == y for x, y in zip(a.args, b.args)))
 
 
 def _casts_dtype_only(node: Node) -> bool:
@@ -243,7 +275,7 @@ def _square_base(sq: Node) -> Optional[Node]:
         return sq.args[0]
     if _is(sq, "square", torch.square) and len(sq.args) == 1:
         return sq.args[0]
-    if _is(sq, "mul", operator.mul, torch.mul) and len(sq.args) == 2 and sq.args[0] is sq.args[1]:
+    if _is(sq, "mul", operator.mul, torch.mul) and len(sq.args) == 2 and _same(sq.args[0], sq.args[1]):
         return sq.args[0]
     return None
 
@@ -254,6 +286,7 @@ def _rms_form(rsqrt: Node) -> str:
     _, _, _, x = _rms_parts(rsqrt)
     mul = fx_utils.single_user(rsqrt)
     other = _mul_other(mul, rsqrt) if mul is not None else None
+    # T5 multiplies the uncast input itself (the node the upcast reads), not a second upcast of it.
     if x is not None and other is not None and other is not x and _float_cast_source(x) is other:
         return "t5"
     if mul is not None and other is not None:
@@ -300,8 +333,10 @@ class _HandRMSNorm(Pattern):
         xin = _mul_other(mul, rsqrt)
         src = _float_cast_source(x)
         # T5 multiplies the uncast input (x, not x.float()): x.float() * r, exactly, by type promotion.
-        require(xin is not None and (xin is x or (src is not None and xin is src)),
+        require(xin is not None and (_same(xin, x) or (src is not None and _same(xin, src))),
                 "rsqrt(...) is not multiplied by the normalized input")
+        # The product's input as its own node (a second ``x.float()``): one value with x, replaced with it.
+        dup = [xin] if isinstance(xin, Node) and xin is not x and xin is not src and len(xin.users) == 1 else []
         # Optional cast, optional `* weight`, optional cast: the canonical op computes hh * w in fp32 and
         # rounds once, to the dtype of the last node it replaces.
         end, nodes = mul, [sq, ms, denom, rsqrt, mul]
@@ -317,9 +352,10 @@ class _HandRMSNorm(Pattern):
         if self.form == "gemma":
             require(weight is not None and _one_plus(weight), "the weight is not 1 + w")
         source = src if src is not None and val(src).dtype in _SUPPORTED_DTYPES else x
-        require(val(source).dtype in _SUPPORTED_DTYPES and (xin is x or xin is source),
+        require(val(source).dtype in _SUPPORTED_DTYPES and (_same(xin, x) or _same(xin, source)),
                 f"dtype {val(xin).dtype} not supported")
         nodes += [x] if source is not x else []  # the fp32 upcast: the canonical op reads `source` itself
+        nodes += dup
         return {"x": source, "eps": float(eps), "weight": weight, "end": end, "nodes": nodes}
 
     def rewrite(self, graph: fx.Graph, m: dict[str, Any], rep: GraphReport) -> None:
@@ -333,6 +369,7 @@ class LlamaRMSNorm(_HandRMSNorm):
     before or after the cast back). x^2 may be ``pow(2)``, ``square`` or ``x * x``."""
 
     name = "canonical_llama_rms_norm"
+    order = 12
     form = "llama"
 
 
@@ -342,6 +379,7 @@ class T5RMSNorm(_HandRMSNorm):
     cast to the weight's dtype and ``weight *``."""
 
     name = "canonical_t5_rms_norm"
+    order = 13
     form = "t5"
 
 
@@ -351,6 +389,7 @@ class GemmaRMSNorm(_HandRMSNorm):
     rounds once to x's dtype, which is exactly Gemma's arithmetic; the gradient reaches w through the add."""
 
     name = "canonical_gemma_rms_norm"
+    order = 14
     form = "gemma"
 
 
@@ -372,6 +411,7 @@ class ManualLayerNorm(Pattern):
 
     name = "canonical_manual_layer_norm"
     stage = "pre_grad"
+    order = 15
     switch = "canonicalize_norms"
 
     def candidates(self, graph: fx.Graph) -> Iterable[Node]:
@@ -443,5 +483,3 @@ class ManualLayerNorm(Pattern):
         canonicalize(graph, rep, self.name, m["end"], m["nodes"], m["x"], m["weight"], m["bias"], m["eps"], False,
                      f"eps={m['eps']}, weight={'yes' if m['weight'] else 'no'}, bias={'yes' if m['bias'] else 'no'}")
 
-
-PRE_GRAD_PATTERNS = (LayerNormCall(), RMSNormCall(), LlamaRMSNorm(), T5RMSNorm(), GemmaRMSNorm(), ManualLayerNorm())

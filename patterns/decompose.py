@@ -37,6 +37,8 @@ class DecomposeUnfused(Pattern):
 
     name = "decompose_unfused"
     stage = "joint"
+    order = 90  # last: the canonical ops that no fusion took
+    counted = False
 
     def candidates(self, graph: fx.Graph) -> Iterable[Node]:
         return [n for n in graph.nodes if is_op(n, *CANONICAL)]

@@ -5,12 +5,15 @@ feeds it, possibly through a view (3-D inputs), a dtype conversion (autocast) an
 of ``n`` (a residual branch, further consumers), to ``fusenorm::norm_backward``. The ``mm`` and the norm
 backward become one ``fusenorm::mm_norm_backward``; the other gradients ride along as ``extra``.
 This applies whether or not the forward norm was fused (the kernel reads hh, or x with mean/rstd).
+
+The pre-grad stage asks this fusion too (``prospect``), before the backward is traced: there the norm's
+gradient is predicted from the linears reading its output, and the same decision (``check_speed``) is asked.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -18,11 +21,13 @@ from torch.fx import Node
 
 from fusenorm_inductor import fx_utils
 from fusenorm_inductor.fx_utils import flat_like, val
-from fusenorm_inductor.tuning.decide import Choice, backward_choice, describe_mm_norm_backward
+from fusenorm_inductor.tuning.decide import Choice
+from fusenorm_inductor.tuning.mm_norm_backward import backward_choice, describe_mm_norm_backward
 from fusenorm_inductor.report import GraphReport
 
-from .base import Pattern, Reject, bind_op_args, getitem_users, is_op, require
-from .post_norm import CONVERT, FLOATS, VIEWS
+from .base import Pattern, Reject, bind_op_args, describe, getitem_users, is_op, require
+from .post_norm import CONVERT, FLOATS
+from .views import VIEWS, GraphView
 
 aten = torch.ops.aten
 NORM_BWD = torch.ops.fusenorm.norm_backward.default
@@ -36,7 +41,7 @@ class DgradMatch:
     gemm: Node
     extra: Optional[Node]
     chain: list[Node]
-    choice: Choice  # the measured decision to fuse and the kernel configuration (ops/tuning.py)
+    choice: Choice  # the measured decision to fuse and the kernel configuration (tuning/mm_norm_backward.py)
 
 
 def _gemm_under(node: Any) -> Optional[Node]:
@@ -51,10 +56,42 @@ def _gemm_under(node: Any) -> Optional[Node]:
 class DgradNormBwd(Pattern):
     name = "dgrad_norm_bwd"
     stage = "joint"
+    order = 30  # after the forward fusions: they change what the norm backward reads, which this one keeps
     switch = "patterns.dgrad_norm_bwd"
+    anchor = NORM_BWD
 
-    def candidates(self, graph: fx.Graph) -> Iterable[Node]:
-        return [n for n in graph.nodes if is_op(n, NORM_BWD)]
+    def prospect(self, norm: Node, view: GraphView) -> None:
+        """Whether the backward of ``norm`` would be fused, before it is traced: each linear reading the norm's
+        output as its input will compute the norm's gradient in its data-gradient GEMM (``d_out @ W``, the
+        other linears' gradients added as extra), and the norm backward will read x and the statistics (this
+        is asked of a norm that no forward fusion takes). Taken where one of those GEMMs would be fused."""
+        require(view.has_backward(norm), "no backward (inference)")
+        args = bind_op_args(norm)
+        ys = getitem_users(norm).get(0, [])
+        require(ys, "norm output unused")
+        linears = []
+        for y in ys:
+            for u in y.users:
+                g = view.gemm(u)
+                require(g is not None and g.a is y, f"norm output has a user that is not a linear ({describe(u)})")
+                linears.append(g)
+        require(linears, "norm output feeds no linear")
+        xv, is_rms = val(args["x"]), args["is_rms"]
+        k = xv.shape[-1]
+        m = xv.numel() // k
+        last = None
+        for g in linears:
+            out = val(g.node)
+            try:
+                _, b, _ = view.gemm_values(g)
+                self.check_speed(
+                    flat_like(out, m, out.shape[-1]), b.t(), flat_like(xv, m, k) if len(linears) > 1 else None,
+                    flat_like(xv, m, k), val(args["weight"]), None if is_rms else flat_like(xv, m, dtype=torch.float32),
+                    flat_like(xv, m, dtype=torch.float32), is_rms, False, args["bias"] is not None, xv.dtype)
+                return
+            except Reject as r:
+                last = r
+        raise last
 
     # ---- guards ----------------------------------------------------------------------------------------
     def match(self, bwd: Node) -> DgradMatch:
@@ -72,18 +109,20 @@ class DgradNormBwd(Pattern):
         if extra is not None:
             require(fx_utils.same_shape(val(extra).shape, val(dy).shape) and val(extra).dtype in FLOATS,
                     "other gradient added to the GEMM's broadcasts or has an unsupported dtype")
-        return DgradMatch(bwd, args, gemm, extra, chain, self.check_speed(args, gemm, extra))
-
-    def check_speed(self, a: dict[str, Any], gemm: Node, extra: Optional[Node]) -> Choice:
-        """Fused only where it was measured to beat cuBLAS + the norm backward (always on CPU)."""
         dyv, bv = fx_utils.hinted(val(gemm.args[0])), val(gemm.args[1])
         mv, nv = dyv.shape[0], bv.shape[1]
-        mean = a["mean"] if a["mean"] is None or a["is_rms"] else flat_like(val(a["mean"]), mv)
-        choice = backward_choice(
+        mean = args["mean"] if args["mean"] is None or args["is_rms"] else flat_like(val(args["mean"]), mv)
+        choice = self.check_speed(
             dyv, bv, flat_like(val(extra), mv, nv) if extra is not None else None,
-            flat_like(val(a["src"]), mv, nv), val(a["weight"]),
-            mean, flat_like(val(a["rstd"]), mv), a["is_rms"], a["src_is_normed"], a["has_bias"], a["dx_dtype"],
-        )
+            flat_like(val(args["src"]), mv, nv), val(args["weight"]), mean, flat_like(val(args["rstd"]), mv),
+            args["is_rms"], args["src_is_normed"], args["has_bias"], args["dx_dtype"])
+        return DgradMatch(bwd, args, gemm, extra, chain, choice)
+
+    def check_speed(self, dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype) -> Choice:
+        """Fused only where it was measured to beat cuBLAS + the norm backward (always on CPU). ``dy`` [M, N] and
+        ``b`` [N, K] are the data-gradient GEMM's operands; the others are as ``fusenorm::mm_norm_backward`` takes
+        them."""
+        choice = backward_choice(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype)
         require(choice.fuse, choice.reason)
         return choice
 
@@ -151,7 +190,7 @@ class DgradNormBwd(Pattern):
             {"M": mv, "K": val(dy2).shape[1], "N": nv, "dy": list(dyv.shape)}, val(dy2).dtype,
             f"{describe_mm_norm_backward(val(dy2), nv, a['is_rms'])} [{m.choice.config}]: {m.choice.reason}",
             f"{'RMSNorm' if a['is_rms'] else 'LayerNorm'}, reads {'hh' if a['src_is_normed'] else 'x + stats'}, "
-            f"extra gradient={'yes' if m.extra is not None else 'no'}{fx_utils.dynamic_note(mv)}",
+            f"extra gradient={'yes' if m.extra is not None else 'no'}{fx_utils.dynamic_note(mv, m.choice.t_fused_ms is not None)}",
         )
 
 

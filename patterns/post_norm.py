@@ -10,12 +10,15 @@ tensor is never written, so it is never saved. Where y feeds a linear, the parti
 linear's weight gradient, as it does in the unfused graph (which keeps the pre-norm tensor besides).
 (Recomputing y from hh in the backward was tried: the partitioner then computes and saves the copy in the
 forward, because a GEMM input must be materialized, which only adds a kernel.)
+
+The match is written against ``views.GraphView``: the pre-grad stage asks it too (``prospect``, on the
+torch-level graph), whether this fusion would take a canonical norm (prospects.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -23,28 +26,16 @@ from torch.fx import Node
 
 from fusenorm_inductor import fx_utils
 from fusenorm_inductor.fx_utils import flat_like, val
-from fusenorm_inductor.tuning.decide import Choice, describe_mm_norm, forward_choice
+from fusenorm_inductor.tuning.decide import Choice
+from fusenorm_inductor.tuning.mm_norm import describe_mm_norm, forward_choice
 from fusenorm_inductor.report import GraphReport
 
 from .base import Pattern, Reject, bind_op_args, describe, getitem_users, is_op, require
+from .views import GEMMS, JOINT, VIEWS, GraphView, through_identities
 
 aten = torch.ops.aten
 NORM = torch.ops.fusenorm.norm.default
-NORM_BWD = torch.ops.fusenorm.norm_backward.default
 MM_NORM = torch.ops.fusenorm.mm_norm.default
-VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default)
-# Value-preserving nodes the walk from the norm to the GEMM looks through besides views: a clone is what an
-# inactive dropout (p = 0, or eval mode) becomes (HF BERT's dropout between its output linear and the residual).
-IDENTITIES = VIEWS + (aten.clone.default,)
-
-
-def _through_identities(n: Node, chain: Optional[list] = None) -> Node:
-    """The node under any views and clones of ``n``; the ones passed are appended to ``chain``."""
-    while is_op(n, *IDENTITIES):
-        n = n.args[0]
-        if chain is not None:
-            chain.append(n)
-    return n
 CONVERT = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -60,70 +51,57 @@ class PostNormMatch:
     residual: Optional[Node]
     chain: list[Node]  # nodes from the GEMM up to the norm's input, removed after the rewrite
     backward: list[Node]  # this norm's fusenorm::norm_backward nodes
-    choice: Choice  # the measured decision to fuse and the kernel configuration (ops/tuning.py)
-
-
-def _convert_source(node: Node) -> Optional[Node]:
-    """``convert_element_type(x, dtype)`` (or ``_to_copy(x, dtype=...)``) -> x, else None."""
-    if is_op(node, *CONVERT) and len(node.args) >= 1 and isinstance(node.args[0], Node):
-        return node.args[0]
-    return None
-
-
-def norm_backward_partners(norm: Node) -> list[Node]:
-    """The ``fusenorm::norm_backward`` nodes of this norm: they read its saved mean/rstd outputs (in the
-    joint graph's pre pass, through chains of ``aten.alias``)."""
-    found: list[Node] = []
-    todo = [g for i, gs in getitem_users(norm).items() if i in (1, 2) for g in gs]
-    while todo:
-        for u in todo.pop().users:
-            if is_op(u, NORM_BWD) and u not in found:
-                found.append(u)
-            elif is_op(u, aten.alias.default):
-                todo.append(u)
-    return found
+    choice: Choice  # the measured decision to fuse and the kernel configuration (tuning/mm_norm.py)
 
 
 class LinearNormFwd(Pattern):
     name = "linear_norm_fwd"
     stage = "joint"
+    # First of the fusions: a norm between two linears goes to the one before it when that fuses (pre-norm
+    # comes next), and the forward fusions change what the norm backward reads, which the backward fusion keeps.
+    order = 10
     switch = "patterns.linear_norm_fwd"
+    anchor = NORM
 
-    def candidates(self, graph: fx.Graph) -> Iterable[Node]:
-        return [n for n in graph.nodes if is_op(n, NORM)]
+    def match(self, norm: Node) -> PostNormMatch:
+        return self.match_in(norm, JOINT)
+
+    def prospect(self, norm: Node, view: GraphView) -> None:
+        self.match_in(norm, view)
 
     # ---- guards ----------------------------------------------------------------------------------------
-    def match(self, norm: Node) -> PostNormMatch:
+    def match_in(self, norm: Node, view: GraphView) -> PostNormMatch:
         args = bind_op_args(norm)
         x = args["x"]
-        backward = norm_backward_partners(norm)
+        backward = view.norm_backward(norm)
         chain = [x]
         self.check_static(norm, x)
         cur, residual = x, None
-        if is_op(cur, aten.add.Tensor):
-            cur, residual = self.split_residual(cur)
+        if view.is_add(cur):
+            cur, residual = self.split_residual(cur, view)
             chain.append(cur)
-        gemm = _through_identities(cur, chain)
-        require(is_op(gemm, aten.mm.default, aten.addmm.default),
-                f"norm input is not a linear's output (comes from {describe(gemm)})")
-        chain = chain[:-1] if chain[-1] is gemm else chain
-        self.check_only_feeds_norm(norm, gemm, chain, backward)
-        a, b, bias = self.gemm_operands(gemm)
-        self.check_norm_over_gemm_cols(val(x), val(gemm))
-        self.check_dtypes(val(a), val(b), val(x))
+        out = through_identities(view, cur, chain)
+        gemm = view.gemm(out)
+        require(gemm is not None, f"norm input is not a linear's output (comes from {describe(out)})")
+        chain = chain[:-1] if chain[-1] is out else chain
+        self.check_only_feeds_norm(norm, out, chain, backward)
+        av, bv, biasv = view.gemm_values(gemm)
+        self.check_norm_over_gemm_cols(val(x), val(out))
+        self.check_dtypes(av, bv, val(x))
         if residual is not None:
             self.check_residual(val(residual), val(x))
-        choice = self.check_speed(args, a, b, bias, residual, backward)
-        return PostNormMatch(norm, args, gemm, a, b, bias, residual, chain, backward, choice)
+        choice = self.check_speed(args, av, bv, biasv, residual, view.has_backward(norm))
+        return PostNormMatch(norm, args, out, gemm.a, gemm.b, gemm.bias, residual, chain, backward, choice)
 
-    def check_speed(self, args, a: Node, b: Node, bias, residual, backward) -> Choice:
+    def check_speed(self, args, av: torch.Tensor, bv: torch.Tensor, biasv, residual, has_backward: bool) -> Choice:
         """Fused only where it was measured to beat cuBLAS + the norm on this shape (always on CPU)."""
-        av, bv = fx_utils.hinted(val(a)), val(b)
+        av = fx_utils.hinted(av)
         res2 = flat_like(val(residual), av.shape[0], bv.shape[1]) if residual is not None else None
         affine = args["weight"] is not None or args["bias"] is not None
         choice = forward_choice(
-            av, bv, val(bias), res2, val(args["weight"]), val(args["bias"]), args["eps"],
-            args["is_rms"], args["out_dtype"] or val(args["x"]).dtype, affine and bool(backward),
+            av, bv, biasv, res2, val(args["weight"]), val(args["bias"]), args["eps"],
+            args["is_rms"], args["out_dtype"] or val(args["x"]).dtype, affine and has_backward,
+            training=has_backward,  # a training graph: the decision judges the whole step
         )
         require(choice.fuse, choice.reason)
         return choice
@@ -133,15 +111,15 @@ class LinearNormFwd(Pattern):
         run time, and the decision is measured at the traced example's M."""
         require(fx_utils.static_width(val(x), val(norm)[0]), "dynamic shapes (a symbolic width N): left to Inductor")
 
-    def split_residual(self, add: Node) -> tuple[Node, Node]:
+    def split_residual(self, add: Node, view: GraphView) -> tuple[Node, Node]:
         """``add(linear, r)`` or ``add(r, linear)``: which side is the GEMM (through views and clones), which the
         residual."""
         require(len(add.args) == 2 and not add.kwargs, "add with alpha is not a residual add")
         for side, other in ((0, 1), (1, 0)):
             s = add.args[side]
-            if is_op(_through_identities(s), aten.mm.default, aten.addmm.default) and isinstance(add.args[other], Node):
+            if view.gemm(through_identities(view, s)) is not None and isinstance(add.args[other], Node):
                 return s, add.args[other]
-        sides = ", ".join(describe(_through_identities(a)) if isinstance(a, Node) else repr(a) for a in add.args)
+        sides = ", ".join(describe(through_identities(view, a)) if isinstance(a, Node) else repr(a) for a in add.args)
         raise Reject(f"norm input is an add with no linear output on either side (its inputs come from {sides}; "
                      "an active dropout or another op between the linear and the add stops the match)")
 
@@ -153,17 +131,6 @@ class LinearNormFwd(Pattern):
             others = fx_utils.users_outside(n, allowed)
             if others:
                 raise Reject(f"linear output {n.name} has another user ({others[0].name}): not fused")
-
-    def gemm_operands(self, gemm: Node) -> tuple[Node, Node, Optional[Node]]:
-        """``mm(a, b)`` or ``addmm(bias, a, b)`` with a 1-D bias and beta = alpha = 1."""
-        if gemm.target is aten.mm.default:
-            a, b = gemm.args
-            return a, b, None
-        require(gemm.kwargs.get("beta", 1) == 1 and gemm.kwargs.get("alpha", 1) == 1,
-                "addmm with beta/alpha != 1")
-        bias, a, b = gemm.args
-        require(isinstance(bias, Node) and val(bias).dim() == 1, "addmm bias is not a 1-D vector")
-        return a, b, bias
 
     def check_norm_over_gemm_cols(self, xv: torch.Tensor, gv: torch.Tensor) -> None:
         """The norm runs over the GEMM's output columns: the view (if any) only splits the rows."""
@@ -220,7 +187,7 @@ class LinearNormFwd(Pattern):
             f"{'RMSNorm' if args['is_rms'] else 'LayerNorm'}, affine={'yes' if affine else 'no'}, "
             f"bias={'yes' if m.bias is not None else 'no'}, residual={'yes' if m.residual is not None else 'no'}, "
             f"saves {'hh' if save_normed else ('y' if m.backward else 'nothing')} for backward"
-            f"{fx_utils.dynamic_note(mv)}"
+            f"{fx_utils.dynamic_note(mv, m.choice.t_fused_ms is not None)}"
             f"{'; its output feeds a linear: taken here before pre-norm (norm_linear_fwd)' if feeds_linear else ''}",
         )
 
@@ -230,6 +197,6 @@ def _feeds_linear(y: Node) -> bool:
     candidate, which this one takes first (the report says so)."""
     for u in y.users:
         inner = list(u.users) if is_op(u, *VIEWS) else [u]
-        if any(is_op(g, aten.mm.default, aten.addmm.default) for g in inner):
+        if any(is_op(g, *GEMMS) for g in inner):
             return True
     return False

@@ -15,27 +15,31 @@ consumer's mean/rstd feed the backward.
 
 Post-norm (``linear_norm_fwd``) runs first: a norm between two linears that it fused is not seen here; a
 norm it left unfused (with its reason in the match report) is offered to this pattern.
+
+The match is written against ``views.GraphView``: the pre-grad stage asks it too (``prospect``, on the
+torch-level graph, where the weight gradients are not traced yet: one per linear whose weight requires grad).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 from torch.fx import Node
 
-from fusenorm_inductor import config, fx_utils
+from fusenorm_inductor import fx_utils
 from fusenorm_inductor.fx_utils import val
 from fusenorm_inductor.tuning import measure
-from fusenorm_inductor.tuning.decide import Choice, prenorm_choice, prenorm_norm_ms
+from fusenorm_inductor.tuning.decide import Choice
+from fusenorm_inductor.tuning.norm_mm import prenorm_choice, prenorm_norm_ms
 from fusenorm_inductor.report import GraphReport
 
-from .base import Pattern, Reject, bind_op_args, describe, getitem_users, is_op, require
-from .post_norm import FLOATS, VIEWS, norm_backward_partners
+from .base import Pattern, Reject, bind_op_args, describe, getitem_users, require
+from .post_norm import FLOATS
+from .views import JOINT, GraphView
 
-aten = torch.ops.aten
 NORM = torch.ops.fusenorm.norm.default
 NORM_MM = torch.ops.fusenorm.norm_mm.default
 MM_NORMED = torch.ops.fusenorm.mm_normed.default
@@ -46,7 +50,8 @@ class Consumer:
     gemm: Node  # mm(y2, b) or addmm(bias, y2, b)
     b: Node
     bias: Optional[Node]
-    choice: Choice
+    bv: torch.Tensor  # b's example value as the joint graph's GEMM takes it
+    choice: Optional[Choice] = None
 
 
 @dataclass
@@ -62,13 +67,18 @@ class PreNormMatch:
 class NormLinearFwd(Pattern):
     name = "norm_linear_fwd"
     stage = "joint"
+    order = 20  # after post-norm, which takes a norm between two linears first
     switch = "patterns.norm_linear_fwd"
+    anchor = NORM
 
-    def candidates(self, graph: fx.Graph) -> Iterable[Node]:
-        return [n for n in graph.nodes if is_op(n, NORM)]
+    def match(self, norm: Node) -> PreNormMatch:
+        return self.match_in(norm, JOINT)
+
+    def prospect(self, norm: Node, view: GraphView) -> None:
+        self.match_in(norm, view)
 
     # ---- guards ----------------------------------------------------------------------------------------
-    def match(self, norm: Node) -> PreNormMatch:
+    def match_in(self, norm: Node, view: GraphView) -> PreNormMatch:
         args = bind_op_args(norm)
         x = args["x"]
         xv = val(x)
@@ -86,44 +96,39 @@ class NormLinearFwd(Pattern):
         match = PreNormMatch(norm, args, ys, [])
         for y in ys:
             for u in list(y.users):
-                if is_op(u, *VIEWS) and fx_utils.same_shape(val(u).shape, (m, k)):
-                    match.flat.append(u)
-                elif val(y).dim() == 2 and is_op(u, aten.mm.default, aten.addmm.default):
-                    if y not in match.flat:
-                        match.flat.append(y)
-                else:
-                    raise Reject(f"norm output has a user that is not a linear ({describe(u)})")
+                v = view.gemm_input(u, y, m, k)
+                require(v is not None, f"norm output has a user that is not a linear ({describe(u)})")
+                if v not in match.flat:
+                    match.flat.append(v)
         for v in match.flat:
             for u in v.users:
-                self.classify(u, v, match)
+                self.classify(u, v, match, view)
         require(match.consumers, "norm output feeds no linear")
-        bwd = norm_backward_partners(norm)
-        require(bwd or not fx_utils.tangent_dependent(norm.graph),
+        require(view.has_backward(norm) or not view.training(norm.graph),
                 "the norm's backward was not found (its statistics feed something else)")
-        self.check_speed(args, x, match.consumers, len(match.wgrads), m, k)
+        n_wgrads = len(match.wgrads) + view.implied_weight_grads([c.b for c in match.consumers])
+        self.check_speed(args, x, match.consumers, n_wgrads, m, k)
         return match
 
-    def classify(self, u: Node, v: Node, match: PreNormMatch) -> None:
+    def classify(self, u: Node, v: Node, match: PreNormMatch, view: GraphView) -> None:
         """A user of the flattened normalized tensor: a linear reading it as A, or a weight gradient."""
-        if is_op(u, aten.mm.default) and u.args[0] is v and u.args[1] is not v:
-            b, bias = u.args[1], None
-        elif is_op(u, aten.addmm.default) and u.args[1] is v and u.args[2] is not v:
-            require(u.kwargs.get("beta", 1) == 1 and u.kwargs.get("alpha", 1) == 1, "addmm with beta/alpha != 1")
-            bias, b = u.args[0], u.args[2]
-            require(isinstance(bias, Node) and val(bias).dim() == 1, "addmm bias is not a 1-D vector")
-        elif is_op(u, aten.mm.default) and u.args[1] is v and u.args[0] is not v:
+        g = view.gemm(u)
+        if g is not None and g.a is v and g.b is not v:
+            _, bv, _ = view.gemm_values(g)
+        elif g is not None and g.bias is None and g.b is v and g.a is not v:
             match.wgrads.append(u)
             return
         else:
             raise Reject(f"normalized tensor {v.name} has a user that is not a linear ({describe(u)})")
-        bv, xv = val(b), val(match.args["x"])
+        xv = val(match.args["x"])
         require(bv.dtype == xv.dtype, f"linear weight dtype {bv.dtype} differs from the norm's {xv.dtype}")
         require(bv.dim() == 2, "linear weight is not 2-D")
-        match.consumers.append(Consumer(u, b, bias, None))
+        match.consumers.append(Consumer(u, g.b, g.bias, bv))
 
     def check_speed(self, args, x: Node, consumers: list[Consumer], n_wgrads: int, m: int, k: int) -> None:
         a2 = fx_utils.flat_like(val(x), m, k)
-        choices, why_not = prenorm_decision(a2, [(val(c.b), val(c.bias), c.gemm.name) for c in consumers],
+        # The bias as the graph holds it: at the pre-grad stage, as traced (not in autocast's GEMM dtype).
+        choices, why_not = prenorm_decision(a2, [(c.bv, val(c.bias), c.gemm.name) for c in consumers],
                                             val(args["weight"]), val(args["bias"]), args["eps"], args["is_rms"],
                                             n_wgrads)
         for c, choice in zip(consumers, choices):
@@ -182,7 +187,7 @@ class NormLinearFwd(Pattern):
             f"Lazy Pre-Norm GEMM x{len(m.consumers)}: {kernels}",
             f"{'RMSNorm' if is_rms else 'LayerNorm'}, affine={'yes' if affine else 'no'}, "
             f"consumers={len(m.consumers)}, weight gradients rebuilt from stats={len(m.wgrads)}, "
-            f"saves x + mean/rstd, never the normalized tensor{taken}{fx_utils.dynamic_note(rows)}",
+            f"saves x + mean/rstd, never the normalized tensor{taken}{fx_utils.dynamic_note(rows, any(c.choice.t_fused_ms is not None for c in m.consumers))}",
         )
 
 

@@ -57,6 +57,22 @@ class LlamaNorm(nn.Module):
         return self.weight * (hidden_states.to(input_dtype) if self.casts else hidden_states)
 
 
+class DoubleCastNorm(nn.Module):
+    """A LLaMA RMSNorm written with ``x.float()`` twice, once for the variance and once for the product (two
+    nodes of one value): it used to be missed ("rsqrt(...) is not multiplied by the normalized input").
+    ``noop_cast`` adds a cast that changes nothing (``.to(x.dtype)`` of x) before the product's upcast."""
+
+    def __init__(self, n=N, eps=1e-6, noop_cast=False):
+        super().__init__()
+        self.weight = _weight(n)
+        self.eps, self.noop_cast = eps, noop_cast
+
+    def forward(self, x):
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        xin = x.to(x.dtype) if self.noop_cast else x
+        return self.weight * (xin.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+
 class GemmaNorm(nn.Module):
     """HF Gemma RMSNorm: the weight stored as an offset from 1, applied in fp32 before the cast back."""
 
@@ -111,6 +127,8 @@ FORMS = {
     "llama": (LlamaNorm, "canonical_llama_rms_norm"),
     "llama-no-casts": (lambda: LlamaNorm(casts=False), "canonical_llama_rms_norm"),
     "gemma": (GemmaNorm, "canonical_gemma_rms_norm"),
+    "llama-double-cast": (DoubleCastNorm, "canonical_llama_rms_norm"),
+    "llama-double-cast-noop": (lambda: DoubleCastNorm(noop_cast=True), "canonical_llama_rms_norm"),
     "manual-ln": (ManualLN, "canonical_manual_layer_norm"),
     "manual-ln-var": (lambda: ManualLN(var="biased"), "canonical_manual_layer_norm"),
 }
