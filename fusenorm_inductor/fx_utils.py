@@ -393,9 +393,19 @@ def render(graph: fx.Graph, nodes: Optional[set[Node]] = None) -> str:
     return sub.python_code("self").src
 
 
-def dynamic_note(m: Any) -> str:
-    """For the match report: that the rows are symbolic and at which M the decision was measured."""
-    return f"; dynamic M = {m}: decided as measured at M = {hint(m)}" if isinstance(m, torch.SymInt) else ""
+def dynamic_note(m: Any, measured: bool = True) -> str:
+    """For the match report, where the rows are symbolic: what was decided for which M. ``measured``: whether
+    the decision timed anything (on the CPU, or with tuning off, nothing was)."""
+    if not isinstance(m, torch.SymInt):
+        return ""
+    if not measured:
+        return f"; dynamic M = {m}: one decision for every M, not measured"
+    from .tuning.measure import row_bucket
+
+    h = hint(m)
+    top = row_bucket(h)
+    return (f"; dynamic M = {m}: decided as measured at M = {h}; launches with M in [{top // 2 + 1}, {top}] run the "
+            f"configuration measured there, other M the kernels' first configuration (a launch never measures)")
 
 
 def hinted(t: Any) -> Any:

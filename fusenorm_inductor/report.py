@@ -11,7 +11,8 @@ report saying so (``cache_hit``), with no rewrites listed. Rewrites are also cou
 
 The dumps never follow a symbolic link: the folders are created private (mode 0700), each write opens its
 folder with ``O_NOFOLLOW`` and checks it is the one created, files are created with ``O_EXCL | O_NOFOLLOW``
-and renamed into place, and a ``debug_dir`` that is itself a symbolic link is refused (the callers warn).
+and renamed into place, and a ``debug_dir`` with a symbolic link anywhere on its path (itself or a parent) is
+refused (the callers warn once per graph, naming the link).
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ class GraphReport:
     cache_hit: dict[str, int] = field(default_factory=dict)
     # Where write() put it: (the run, the folder's (st_dev, st_ino)); later writes go to that same folder.
     _written_to: Optional[tuple] = field(default=None, repr=False, compare=False)
+    # Warnings already given for this graph (a debug_dir that cannot be written fails at every stage's write:
+    # the user hears it once per graph).
+    _warned: set = field(default_factory=set, repr=False, compare=False)
+
+    def warn_once(self, text: str) -> None:
+        if text not in self._warned:
+            self._warned.add(text)
+            warnings.warn(f"fusenorm: {text}")
 
     def rewrite(self, pattern: str, stage: str, nodes, shapes, dtype, kernel, detail: str = "") -> None:
         shapes = {k: _plain(v) for k, v in shapes.items()}  # symbolic sizes (dynamic shapes) as text
@@ -240,20 +249,34 @@ def _put(dir_fd: int, name: str, text: str) -> None:
         raise
 
 
-def _make_private_dirs(path: str) -> None:
-    """Create ``path`` and any missing parents with mode 0700 (existing ones are left as they are)."""
-    missing = []
-    while not os.path.lexists(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            pass
+@contextlib.contextmanager
+def _open_path(path: str) -> Iterator[int]:
+    """An fd of the absolute directory ``path``, reached one component at a time from ``/`` without following
+    any symbolic link (a link anywhere on the path is refused, naming it: a ``debug_dir`` under a linked folder
+    would land in the link's target); missing components are created with mode 0700."""
+    parts = [p for p in path.split(os.sep) if p]
+    fd = os.open(os.sep, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    try:
+        where = os.sep
+        for part in parts:
+            try:
+                os.mkdir(part, 0o700, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                with _open_dir(part, fd, where=where) as child:
+                    nxt = os.dup(child)
+            except OSError as e:
+                if "symbolic link" in str(e):
+                    raise OSError(f"{os.path.join(where, part)} is a symbolic link and lies on the debug_dir path "
+                                  f"{path}: fusenorm writes its debug dumps only through real directories (set "
+                                  f"debug_dir to the resolved path, {os.path.realpath(path)}, to write there)") from None
+                raise
+            os.close(fd)
+            fd, where = nxt, os.path.join(where, part)
+        yield fd
+    finally:
+        os.close(fd)
 
 
 class _Run:
@@ -264,8 +287,7 @@ class _Run:
         self.base, self.pid, self.started = base, os.getpid(), time.time()
         self.graphs: dict[str, dict] = {}
         created = not os.path.lexists(base)
-        _make_private_dirs(base)
-        with _open_dir(base) as base_fd:  # refuses a debug_dir that is a symbolic link
+        with _open_path(base) as base_fd:  # refuses a debug_dir with a symbolic link anywhere on its path
             if created:
                 os.fchmod(base_fd, 0o700)
             for _ in range(16):
@@ -287,7 +309,7 @@ class _Run:
     @contextlib.contextmanager
     def open(self) -> Iterator[int]:
         """An fd of the run folder, checked to be the one created (through no link)."""
-        with _open_dir(self.base) as base_fd, _open_dir(self.name, base_fd, where=self.base, expect=self.id) as fd:
+        with _open_path(self.base) as base_fd, _open_dir(self.name, base_fd, where=self.base, expect=self.id) as fd:
             yield fd
 
     def index_json(self) -> str:
@@ -382,26 +404,25 @@ def _on_compile_end(args: Any) -> None:
     if start is None or start[0] != str(args.compile_id):
         return
     aot, fx = (max(0, now - before) for now, before in zip(_cache_hits(), start[1]))
-    if not aot or not (config.debug_dir or log.isEnabledFor(logging.INFO)):
+    if not aot:
         return
     try:
         _note_cache_hit(start[0], {"aot_autograd": aot, "fx_graph": fx}, _made - start[2])
     except Exception as e:  # as the passes' debugging aids: a failure here never fails the compile
         if not config.fallback_on_error:
             raise
-        warnings.warn(f"fusenorm: writing the cache-hit report failed ({type(e).__name__}: {e}); the compile goes on")
+        warnings.warn(f"fusenorm: the cache-hit report was not written ({type(e).__name__}: {e}); the compile goes on")
 
 
 def _note_cache_hit(cid: str, hits: dict[str, int], made: int) -> None:
     recent = _history[max(0, len(_history) - made):] if made else []  # the reports made during this compile
     rep = next((r for r in reversed(recent) if r.graph_id.endswith(f"_{cid}")), None)
-    if rep is None and config.debug_dir:
+    if rep is None:  # also without a debug_dir: last_report() answers for a graph served from the cache
         rep = _new_report(cid)
     log.info("fusenorm [%s] served from Inductor's cache (AOTAutograd cache hits: %d, FX graph cache hits: %d): "
-             "fusenorm's passes did not run", rep.graph_id if rep else cid, hits["aot_autograd"], hits["fx_graph"])
-    if rep is not None:
-        rep.cache_hit = hits
-        rep.write()
+             "fusenorm's passes did not run", rep.graph_id, hits["aot_autograd"], hits["fx_graph"])
+    rep.cache_hit = hits
+    rep.write()
 
 
 def _install_hooks() -> None:

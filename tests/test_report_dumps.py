@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -89,11 +90,28 @@ def test_debug_dir_that_is_a_symlink_is_refused_with_a_warning(tmp_path):
     victim = tmp_path / "victim"
     victim.mkdir()
     (tmp_path / "fn").symlink_to(victim, target_is_directory=True)
-    with config.patch(debug_dir=str(tmp_path / "fn"), fallback_on_error=True), pytest.warns(
-            UserWarning, match="writing the match report failed.*symbolic link"):
+    with config.patch(debug_dir=str(tmp_path / "fn"), fallback_on_error=True), warnings.catch_warnings(
+            record=True) as caught:
+        warnings.simplefilter("always")
         _compile_step()
+    ours = [str(w.message) for w in caught if "fusenorm" in str(w.message)]
+    # One warning per graph, with the reason (the link, named), not one per stage that tried to write.
+    assert len(ours) == 1, ours
+    assert f"{tmp_path / 'fn'} is a symbolic link" in ours[0] and "debug dumps of graph" in ours[0], ours
     assert list(victim.iterdir()) == []
     assert fusenorm_inductor.last_report().rewrites  # the compile itself went on, fused
+
+
+def test_debug_dir_under_a_symlinked_parent_is_refused(tmp_path):
+    """A link anywhere on the path counts: debug_dir = <link>/sub must not land in the link's target."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "l").symlink_to(victim, target_is_directory=True)
+    with config.patch(debug_dir=str(tmp_path / "l" / "sub"), fallback_on_error=True), pytest.warns(
+            UserWarning, match=f"{tmp_path / 'l'} is a symbolic link and lies on the debug_dir path"):
+        _compile_step()
+    assert list(victim.iterdir()) == []
+    assert fusenorm_inductor.last_report().rewrites
 
 
 def test_run_folder_replaced_by_a_symlink_is_not_written_through(tmp_path):
@@ -107,7 +125,7 @@ def test_run_folder_replaced_by_a_symlink_is_not_written_through(tmp_path):
         moved = run.rename(tmp_path / "moved")
         before = _tree(moved)
         run.symlink_to(victim, target_is_directory=True)
-        with pytest.warns(UserWarning, match="writing the match report failed.*symbolic link"):
+        with pytest.warns(UserWarning, match="debug dumps of graph .* not written .*symbolic link"):
             _compile_step(seed=1)
     assert list(victim.iterdir()) == [] and _tree(moved) == before
 
@@ -188,3 +206,25 @@ def test_cache_hit_in_a_second_process_writes_a_report_saying_so(tmp_path):
     assert rep["cache_hit"] == graph["cache_hit"] and not [r for r in rep["rewrites"] if r["stage"] == "joint"]
     assert "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1" in (second_run / graph["dir"] / "report.md").read_text()
     assert "served from Inductor's cache" in (second_run / "index.md").read_text()
+
+
+def test_last_report_answers_for_a_graph_served_from_the_cache(tmp_path):
+    """Without a debug_dir, a process served from Inductor's cache still gets a report from last_report(),
+    saying the graph came from the cache (it used to return None there)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCH_LOGS", "FUSENORM_DEBUG_DIR")}
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), FUSENORM_CACHE_DIR=str(tmp_path / "fusenorm"),
+               FUSENORM_TUNE="0", TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0")
+    script = _CACHE_RUN + textwrap.dedent(
+        """
+        rep = fusenorm_inductor.last_report()
+        print("REPORT", None if rep is None else sorted(rep.cache_hit))
+        """
+    )
+    printed = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-4000:]
+        printed.append(next(line for line in out.stdout.splitlines() if line.startswith("REPORT")))
+    assert printed == ["REPORT []", "REPORT ['aot_autograd', 'fx_graph']"], printed
