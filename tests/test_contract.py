@@ -162,7 +162,11 @@ def test_dynamic_shapes_no_recompile_per_batch_size(how, form, device):
         assert fusenorm_counts() == POST
     assert ops == [POST_OPS, POST_OPS, POST_OPS], ops
     dynamic = [r.detail for rep in fusenorm_inductor.reports() for r in rep.rewrites if "dynamic M" in r.detail]
-    assert len(dynamic) == 2 and all("decided as measured at M = " in d for d in dynamic), dynamic
+    # Where nothing is measured (the CPU; the tests' default of tuning.measure off) the note says one decision
+    # serves every M; where it was measured, at which M and for which others.
+    measured = device == "cuda" and config.tuning.measure
+    want = "decided as measured at M = " if measured else "one decision for every M, not measured"
+    assert len(dynamic) == 2 and all(want in d and ("not measured" in d) is not measured for d in dynamic), dynamic
 
 
 # ---- modes ---------------------------------------------------------------------------------------------------

@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor
 
-from .. import config
 from . import baseline, measure
-from .decide import Choice, _choice, _default_label, _describe
+from .decide import Choice, _choice, _default_label, _describe, gluon_off
 
 if TYPE_CHECKING:
     from ..kernels.triton.common import GemmConfig
@@ -36,16 +35,11 @@ __all__ = ["describe_mm_norm", "forward_candidates", "forward_choice", "forward_
 
 def gluon_unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed) -> Optional[str]:
     """Why the Gluon sm_90 kernels (kernels/hopper/mm_norm.py) cannot take these inputs; None when they can."""
-    if not config.gluon:
-        return "off (config.gluon / FUSENORM_GLUON)"
     from ..kernels.triton import mm_norm as kernels
 
-    if kernels._FORCE_BLOCK_N is not None:
-        return "test hook _FORCE_BLOCK_N set"
-    from ..kernels.hopper import _compat
-
-    if _compat.GLUON_ERROR is not None:  # the kernel module itself needs Gluon to import
-        return f"this triton has no usable Gluon ({_compat.GLUON_ERROR})"
+    why = gluon_off(kernels._FORCE_BLOCK_N)
+    if why is not None:
+        return why
     from ..kernels.hopper import mm_norm as hopper
 
     return hopper.unsupported(a, b, bias, residual, weight, norm_bias, out_dtype, save_normed)

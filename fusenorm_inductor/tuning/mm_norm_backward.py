@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor
 
-from .. import config
 from . import baseline, measure
-from .decide import Choice, _choice, _default_label, _describe
+from .decide import Choice, _choice, _default_label, _describe, gluon_off
 
 if TYPE_CHECKING:
     from ..kernels.triton.common import GemmConfig
@@ -37,16 +36,11 @@ __all__ = ["backward_candidates", "backward_choice", "backward_config", "backwar
 def gluon_unsupported(dy, b, extra, src, weight, mean, rstd, dx_dtype) -> Optional[str]:
     """Why the Gluon sm_90 kernel (kernels/hopper/mm_norm_backward.py) cannot take these inputs; None when it
     can."""
-    if not config.gluon:
-        return "off (config.gluon / FUSENORM_GLUON)"
     from ..kernels.triton import mm_norm_backward as kernels
 
-    if kernels._FORCE_BLOCK_N is not None:
-        return "test hook _FORCE_BLOCK_N set"
-    from ..kernels.hopper import _compat
-
-    if _compat.GLUON_ERROR is not None:  # the kernel module itself needs Gluon to import
-        return f"this triton has no usable Gluon ({_compat.GLUON_ERROR})"
+    why = gluon_off(kernels._FORCE_BLOCK_N)
+    if why is not None:
+        return why
     from ..kernels.hopper import mm_norm_backward as hopper
 
     return hopper.unsupported(dy, b, extra, src, weight, mean, rstd, dx_dtype)

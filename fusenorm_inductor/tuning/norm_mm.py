@@ -21,9 +21,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import config
 from . import baseline, measure
-from .decide import _PROBE_FAILED, Choice, _choice, _default_label
+from .decide import _PROBE_FAILED, Choice, _choice, _default_label, gluon_off
 
 __all__ = ["gluon_unsupported", "measure_prenorm", "prenorm_candidates", "prenorm_choice", "prenorm_config",
            "prenorm_key", "prenorm_norm_ms", "tl_candidates"]
@@ -43,12 +42,9 @@ TMA_STAGES = 3
 
 def gluon_unsupported(a: Tensor, b: Tensor, out_dtype) -> Optional[str]:
     """Why the Gluon sm_90 kernel (kernels/hopper/norm_mm.py) cannot take these inputs; None when it can."""
-    if not config.gluon:
-        return "off (config.gluon / FUSENORM_GLUON)"
-    from ..kernels.hopper import _compat
-
-    if _compat.GLUON_ERROR is not None:  # the kernel module itself needs Gluon to import
-        return f"this triton has no usable Gluon ({_compat.GLUON_ERROR})"
+    why = gluon_off()
+    if why is not None:
+        return why
     from ..kernels.hopper import norm_mm as hopper
 
     return hopper.unsupported(a, b, out_dtype)
