@@ -393,7 +393,7 @@ def render(graph: fx.Graph, nodes: Optional[set[Node]] = None) -> str:
     return sub.python_code("self").src
 
 
-def dynamic_note(m: Any, measured: bool = True) -> str:
+def dynamic_note(m: Any, measured: bool) -> str:
     """For the match report, where the rows are symbolic: what was decided for which M. ``measured``: whether
     the decision timed anything (on the CPU, or with tuning off, nothing was)."""
     if not isinstance(m, torch.SymInt):

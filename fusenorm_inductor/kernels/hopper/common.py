@@ -64,9 +64,9 @@ def tma_ok(t: Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
-def operand_problem(a: Tensor, b: Tensor, out_dtype) -> Optional[str]:
-    """Why a [M, K] and b [K, N] cannot be the core's TMA/wgmma operands with an output in their dtype (None
-    when they can): what the Gluon GEMM ops check first (mm_norm.py and norm_mm.py)."""
+def device_problem(a: Tensor) -> Optional[str]:
+    """Why no Gluon GEMM can take ``a`` as its first operand at all (None when one can): this triton's Gluon,
+    the device, the dtype. Every op's check starts here."""
     if GLUON_ERROR is not None:
         return f"this triton has no usable Gluon ({GLUON_ERROR})"
     if a.device.type != "cuda":
@@ -75,6 +75,15 @@ def operand_problem(a: Tensor, b: Tensor, out_dtype) -> Optional[str]:
         return "not an sm_90 GPU"
     if a.dtype not in (torch.float16, torch.bfloat16):
         return f"{a.dtype} operands (TMA/wgmma path: fp16/bf16)"
+    return None
+
+
+def operand_problem(a: Tensor, b: Tensor, out_dtype) -> Optional[str]:
+    """Why a [M, K] and b [K, N] cannot be the core's TMA/wgmma operands with an output in their dtype (None
+    when they can): what the Gluon GEMM ops check first (mm_norm.py and norm_mm.py)."""
+    why = device_problem(a)
+    if why is not None:
+        return why
     m, k = a.shape
     n = b.shape[1]
     if k % 8 or n % 8:

@@ -32,9 +32,10 @@ from torch import Tensor
 
 from ..triton.common import num_sms
 from . import launch as L
-from ._compat import (GLUON_ERROR, cluster_arrive, cluster_wait, gl, gluon, mbarrier, smem_read_fence, thread_barrier,
+from ._compat import (cluster_arrive, cluster_wait, gl, gluon, mbarrier, smem_read_fence, thread_barrier,
                       tma, tma_load)
-from .common import LOAD_REGS, MAX_TILE_N, b_layout, descriptor, padded, pow2_tile, refuse_spills, tma_ok
+from .common import (LOAD_REGS, MAX_TILE_N, b_layout, descriptor, device_problem, padded, pow2_tile, refuse_spills,
+                     tma_ok)
 from .cpu_compile import compile_sm90, descriptor_type, runtime_attrs
 from .epilogues import CHUNK, consumer_warps, load_vector, stage_store, tile_index, warp_column_sums
 from .gemm_core import gemm_ws, schedule
@@ -200,14 +201,9 @@ def mm_norm_bwd_kernel(a_desc, b_desc, dx_desc, extra_desc, src_desc, w_ptr, mea
 def unsupported(dy, b, extra, src, weight, mean, rstd, dx_dtype) -> Optional[str]:
     """Why these inputs cannot run on this path (None when they can); checks what fake tensors carry, and
     the alignment of real storage."""
-    if GLUON_ERROR is not None:
-        return f"this triton has no usable Gluon ({GLUON_ERROR})"
-    if dy.device.type != "cuda":
-        return "not on CUDA"
-    if torch.cuda.get_device_capability(dy.device)[0] != 9:
-        return "not an sm_90 GPU"
-    if dy.dtype not in (torch.float16, torch.bfloat16):
-        return f"{dy.dtype} operands (TMA/wgmma path: fp16/bf16)"
+    why = device_problem(dy)
+    if why is not None:
+        return why
     m, k = dy.shape
     n = b.shape[1]
     if _cluster(n) is None:
