@@ -79,6 +79,10 @@ class patterns:
 
     # linear -> [+ residual] -> norm: GEMM with the norm in its epilogue (forward).
     linear_norm_fwd: bool = Config(default=_env_bool("FUSENORM_LINEAR_NORM_FWD", True))
+    # GEMM -> norm -> GEMM(s): deferred normalization. The producer GEMM writes partial row statistics beside
+    # its output, each consumer GEMM applies the norm in its epilogue; norm(x) is not written where only GEMMs
+    # read it. Runs after linear_norm_fwd (a row that fits one tile) and before norm_linear_fwd.
+    deferred_norm: bool = Config(default=_env_bool("FUSENORM_DEFERRED_NORM", True))
     # norm -> linear(s): Lazy Pre-Norm, the norm applied inside each linear's GEMM (forward), the weight
     # gradient from the norm's input and statistics (backward).
     norm_linear_fwd: bool = Config(default=_env_bool("FUSENORM_NORM_LINEAR_FWD", True))

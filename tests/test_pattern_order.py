@@ -15,7 +15,7 @@ ORDER = {
     "pre_grad": ["canonical_layer_norm", "canonical_rms_norm", "canonical_llama_rms_norm", "canonical_t5_rms_norm",
                  "canonical_gemma_rms_norm", "canonical_manual_layer_norm", "attention_block", "attention_block_dense",
                  "norm_prospects"],
-    "joint": ["linear_norm_fwd", "norm_linear_fwd", "dgrad_norm_bwd", "decompose_unfused"],
+    "joint": ["linear_norm_fwd", "deferred_norm", "norm_linear_fwd", "dgrad_norm_bwd", "decompose_unfused"],
 }
 
 
@@ -29,7 +29,8 @@ def test_derived_order_is_the_documented_one():
 
 
 def test_norm_prospects_asks_the_fusions_that_take_canonical_norms_in_their_order():
-    assert [p.name for p in NormProspects().fusions] == ["linear_norm_fwd", "norm_linear_fwd", "dgrad_norm_bwd"]
+    assert [p.name for p in NormProspects().fusions] == ["linear_norm_fwd", "deferred_norm", "norm_linear_fwd",
+                                                         "dgrad_norm_bwd"]
 
 
 @pytest.fixture
@@ -52,10 +53,10 @@ def probe_module(monkeypatch):
 
 def test_a_new_pattern_takes_its_place_from_its_own_class(probe_module):
     probe_module(25, prospect=True)
-    assert [p.name for p in stage_patterns("joint")] == ["linear_norm_fwd", "norm_linear_fwd", "probe",
-                                                         "dgrad_norm_bwd", "decompose_unfused"]
-    assert [p.name for p in NormProspects().fusions] == ["linear_norm_fwd", "norm_linear_fwd", "probe",
-                                                         "dgrad_norm_bwd"]
+    assert [p.name for p in stage_patterns("joint")] == ["linear_norm_fwd", "deferred_norm", "norm_linear_fwd",
+                                                         "probe", "dgrad_norm_bwd", "decompose_unfused"]
+    assert [p.name for p in NormProspects().fusions] == ["linear_norm_fwd", "deferred_norm", "norm_linear_fwd",
+                                                         "probe", "dgrad_norm_bwd"]
 
 
 def test_two_patterns_of_one_stage_may_not_share_an_order(probe_module):

@@ -204,7 +204,7 @@ def test_dynamic_norm_width_left_to_inductor(device):
 
 def test_pattern_switches(device):
     x = torch.randn(21, 32)
-    off = {"patterns.linear_norm_fwd": False, "patterns.norm_linear_fwd": False}
+    off = {"patterns.linear_norm_fwd": False, "patterns.norm_linear_fwd": False, "patterns.deferred_norm": False}
     with config.patch(off):
         assert_matches_eager(lambda: PostNormBlock(32, 40), (x,), torch.float32, device)
     # The backward regrouping does not need the forward fusion: it reads x with the saved statistics.
@@ -212,8 +212,9 @@ def test_pattern_switches(device):
     assert any("disabled by config" in r for r in skips("linear_norm_fwd"))
     assert any("disabled by config" in r for r in skips("norm_linear_fwd"))
     torch._dynamo.reset()
-    # The norm between the two linears that post-norm leaves is offered to the next linear (pre-norm).
-    with config.patch({"patterns.linear_norm_fwd": False}):
+    # The norm between the two linears that post-norm leaves is offered to the next linear (pre-norm, with
+    # deferral off; tests/test_deferred_norm.py has it on).
+    with config.patch({"patterns.linear_norm_fwd": False, "patterns.deferred_norm": False}):
         assert_matches_eager(lambda: PostNormBlock(32, 40), (x,), torch.float32, device)
     assert fusenorm_counts() == {"dgrad_norm_bwd": 2, "norm_linear_fwd": 1}
     torch._dynamo.reset()

@@ -85,7 +85,8 @@ def test_unfusable_norms_compile_as_plain_inductor(form, dtype):
 
 def test_disabled_patterns_compile_as_plain_inductor():
     """With every fusion switched off, a block that would fuse is compiled as plain Inductor compiles it."""
-    off = {"patterns.linear_norm_fwd": False, "patterns.norm_linear_fwd": False, "patterns.dgrad_norm_bwd": False}
+    off = {"patterns.linear_norm_fwd": False, "patterns.norm_linear_fwd": False, "patterns.dgrad_norm_bwd": False,
+           "patterns.deferred_norm": False}
     rep = assert_bitwise_inductor(lambda: PostNormBlock(16, 24), torch.randn(5, 7, 16), **off)
     assert any("disabled by config" in s.reason for s in rep.skips if s.pattern == "norm_prospects")
 

@@ -83,6 +83,28 @@ def pre_norm_fn(a, b, bias, weight, norm_bias, eps: float, is_rms: bool, out_dty
     return _over_present(("a", "b", "bias", "weight", "norm_bias"), (a, b, bias, weight, norm_bias), body)
 
 
+def norm_site_fn(a, b, bias, residual, weight, norm_bias, eps: float, is_rms: bool, consumers: list):
+    """A deferred norm's site unfused, as the user's graph computes it: the producer's linear (+ bias,
+    + residual), the norm, each consumer's linear ((b, bias) each); returns y and every consumer's output."""
+    names = ("a", "b", "bias", "residual", "weight", "norm_bias") + tuple(
+        f"{kind}{i}" for i in range(len(consumers)) for kind in ("cb", "cbias"))
+    values = (a, b, bias, residual, weight, norm_bias) + tuple(t for pair in consumers for t in pair)
+
+    def body(v):
+        y = v["a"] @ v["b"]
+        for k in ("bias", "residual"):
+            if k in v:
+                y = y + v[k]
+        h = _norm(y, v.get("weight"), v.get("norm_bias"), eps, is_rms)
+        outs = [y]
+        for i in range(len(consumers)):
+            z = h @ v[f"cb{i}"]
+            outs.append(z + v[f"cbias{i}"] if f"cbias{i}" in v else z)
+        return tuple(outs)
+
+    return _over_present(names, values, body)
+
+
 def dgrad_norm_fn(dy, b, extra, src, weight, mean, rstd, is_rms: bool, src_is_normed: bool, has_bias: bool,
                   dx_dtype):
     """(fn, inputs): the unfused data-gradient GEMM ``dy @ b (+ extra)`` in the activations' dtype (cuBLAS),

@@ -69,6 +69,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..fold import fold_norm_affine
 from .common import (
     GemmConfig,
     dot_input_precision,
@@ -434,36 +435,6 @@ def fold_one_launch(b: Tensor, bias: Optional[Tensor], weight: Optional[Tensor],
 def _alloc(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Every output the launcher writes comes from here (tests poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-def fold_norm_affine(
-    b: Tensor,
-    bias: Optional[Tensor],
-    weight: Optional[Tensor],
-    norm_bias: Optional[Tensor],
-    operand_dtype: torch.dtype,
-    is_rms: bool,
-) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-    """(b', bias', colsum) of the module docstring.
-
-    b' = weight[:, None] * b computed in fp32 and rounded once to ``operand_dtype``, with b's strides (a
-    transposed weight stays one, so the TMA layout is unchanged); b itself without a weight. bias' (fp32) is
-    None without bias and norm_bias, ``bias`` as given without norm_bias. colsum (fp32, LayerNorm only) sums
-    the rounded b' so the rank-1 correction matches the GEMM operand exactly.
-    """
-    if weight is not None:
-        b_fold = torch.empty_like(b, dtype=operand_dtype)  # preserve_format: b's strides when b is dense
-        torch.mul(b, weight.float()[:, None], out=b_fold)
-    else:
-        b_fold = b
-    bias_fold = bias
-    if norm_bias is not None:
-        # mv, not matmul: a matrix-vector product, which cuBLAS never runs in TF32.
-        bias_fold = torch.mv(b.float().t(), norm_bias.float())
-        if bias is not None:
-            bias_fold += bias.float()
-    colsum = None if is_rms else b_fold.sum(0, dtype=torch.float32)
-    return b_fold, bias_fold, colsum
 
 
 def pointer_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemmConfig:

@@ -1,0 +1,179 @@
+"""Deferred normalization's arithmetic outside the GEMM (plain torch, no triton): the statistics a producer
+writes and their merge, the fold of a norm's affine into a consumer's operand and its cache per weight
+version, and the launch of the Gluon kernel on folded operands (kernels/hopper/deferred_mm.py).
+
+The op (ops/deferred_norm.py) documents the semantics; its reference is ``folded`` then ``applied`` here,
+which the Gluon kernel reproduces. ``partial_stats`` and ``merge_stats`` are also what the pattern inlines
+into a graph as aten ops (patterns/deferred_norm.py), and what the tuning measures with.
+
+Statistics layout: [Q, M, T] fp32, T = ceil(N / tile), Q = 1 for RMSNorm (each tile's sum of squares), 2 for
+LayerNorm (each tile's mean, and its sum of squared deviations from that mean: Chan's partials, which merge
+exactly at any |mean| / std, each weighed by its tile's column count).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .fold import fold_norm_affine
+
+NONE, RMS, LN = 0, 1, 2  # which norm statistics serve (the op's a_norm / out_norm)
+
+
+def n_tiles(n: int, tile: int) -> int:
+    return -(-n // tile)
+
+
+def stats_shape(m, n: int, norm: int, tile: int) -> tuple:
+    """The statistics of [m, n] values for ``norm`` in tiles of ``tile`` columns (0-size without a norm)."""
+    if norm == NONE:
+        return (0,)
+    return (1 if norm == RMS else 2, m, n_tiles(n, tile))
+
+
+def _tile_counts(n: int, tile: int, device) -> Tensor:
+    """Columns of each statistics tile (the last one may be short)."""
+    t = n_tiles(n, tile)
+    return (n - torch.arange(t, device=device) * tile).clamp(max=tile).float()
+
+
+def partial_stats(c: Tensor, norm: int, tile: int) -> Tensor:
+    """The statistics [Q, M, T] of c [M, N] as stored (its own dtype, read as fp32): per row and tile of
+    ``tile`` columns, RMSNorm's sum of squares, or LayerNorm's (tile mean, sum of squared deviations)."""
+    m, n = c.shape
+    t = n_tiles(n, tile)
+    cf = torch.nn.functional.pad(c.float(), (0, t * tile - n)).view(m, t, tile)
+    if norm == RMS:
+        return cf.square().sum(-1).unsqueeze(0)
+    valid = (torch.arange(t * tile, device=c.device) < n).view(t, tile)
+    mean_t = cf.sum(-1) / _tile_counts(n, tile, c.device)
+    dev = torch.where(valid, cf - mean_t.unsqueeze(-1), 0.0)
+    return torch.stack([mean_t, dev.square().sum(-1)])
+
+
+def merge_stats(stats: Tensor, n: int, tile: int, eps: float, norm: int) -> tuple[Tensor, Tensor]:
+    """(mean [M] (0-size for RMSNorm), rstd [M]) of rows of n columns from their partial statistics: the
+    norm's own statistics (biased variance), merged in fp32 by Chan's formula for LayerNorm. Plain torch ops:
+    in a graph, Inductor fuses them into the kernel that reads them."""
+    if norm == RMS:
+        return stats.new_empty((0,)), torch.rsqrt(stats[0].sum(-1) / n + eps)
+    w = _tile_counts(n, tile, stats.device)
+    mean_t, m2_t = stats[0], stats[1]
+    mean = (mean_t * w).sum(-1) / n
+    m2 = m2_t.sum(-1) + ((mean_t - mean.unsqueeze(-1)).square() * w).sum(-1)
+    return mean, torch.rsqrt(m2 / n + eps)
+
+
+def folded(b, bias, norm_weight, norm_bias, a_norm) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """(b', bias', colsum) the epilogue applies (module docstring); b and bias themselves without a norm."""
+    if a_norm == NONE:
+        return b, bias, None
+    return fold_norm_affine(b, bias, norm_weight, norm_bias, b.dtype, a_norm == RMS)
+
+
+def applied(a, b, bias, colsum, residual, a_stats, a_eps, a_norm, a_tile, out_norm, out_tile):
+    """The op's semantics on operands already folded (``folded``): the reference's epilogue."""
+    acc = a.float() @ b.float()
+    if a_norm != NONE:
+        mean, rstd = merge_stats(a_stats, a.shape[1], a_tile, a_eps, a_norm)
+        if a_norm == LN:
+            acc = acc - mean.unsqueeze(-1) * colsum
+        acc = acc * rstd.unsqueeze(-1)
+    if bias is not None:
+        acc = acc + bias.float()
+    if residual is not None:
+        acc = acc + residual.float()
+    c = acc.to(a.dtype)
+    stats = partial_stats(c, out_norm, out_tile) if out_norm != NONE else c.new_empty((0,), dtype=torch.float32)
+    return c, stats
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The fold, kept per weight version
+# ----------------------------------------------------------------------------------------------------------
+
+# The folds of the weights inference graphs read, by the identity and version of their inputs. An entry holds
+# its inputs, so no other tensor can take their addresses while it stands; a new version of a weight (an
+# optimizer step, load_state_dict, any in-place write) misses. Bounded: the oldest entries go first.
+_FOLDS: "OrderedDict[tuple, tuple]" = OrderedDict()
+FOLD_CACHE_SIZE = 256
+
+
+def _version_key(ts) -> Optional[tuple]:
+    key = []
+    for t in ts:
+        if t is None:
+            key.append(None)
+            continue
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor has no version counter: never cached
+            return None
+        key.append((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, version))
+    return tuple(key)
+
+
+def cached_fold(b, bias, norm_weight, norm_bias, a_norm, cache: bool, fold: Callable):
+    """``fold(b, bias, norm_weight, norm_bias)``, or the one kept for these inputs' versions (``cache``)."""
+    key = _version_key((b, bias, norm_weight, norm_bias)) if cache and a_norm != NONE else None
+    if key is not None:
+        key = key + (a_norm,)
+        hit = _FOLDS.get(key)
+        if hit is not None:
+            _FOLDS.move_to_end(key)
+            return hit[1]
+    out = fold(b, bias, norm_weight, norm_bias)
+    if key is not None:
+        _FOLDS[key] = ((b, bias, norm_weight, norm_bias), out)
+        while len(_FOLDS) > FOLD_CACHE_SIZE:
+            _FOLDS.popitem(last=False)
+    return out
+
+
+def fold_cuda(a_norm):
+    """The fold on the GPU: one launch (kernels/triton/norm_mm.fold_one_launch) for 16-bit weights."""
+
+    def fold(b, bias, norm_weight, norm_bias):
+        if a_norm == NONE:
+            return b, bias, None
+        if b.dtype in (torch.float16, torch.bfloat16) and 1 in b.stride():
+            from .triton.norm_mm import fold_one_launch
+
+            return fold_one_launch(b, bias, norm_weight, norm_bias, a_norm == RMS)
+        return folded(b, bias, norm_weight, norm_bias, a_norm)
+
+    return fold
+
+
+def launch(args: tuple, config, alloc: Callable, plan_out: Optional[list] = None) -> tuple[Tensor, Tensor]:
+    """(c, stats) of the op's arguments ``args`` from the Gluon kernel with ``config`` (one of its
+    ``candidates``), the fold kept per weight version where the op says so, outputs from ``alloc(shape,
+    dtype, device)``. Raises ``hopper.common.SpillError`` (nothing launched) for a specialization that spills.
+    ``plan_out``: where the function that launches the same again on arguments of this signature goes."""
+    from .hopper import deferred_mm as hopper
+
+    a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile, out_norm, out_tile, cache = args
+    m, n = a.shape[0], b.shape[1]
+    fold = fold_cuda(a_norm)
+    shape = stats_shape(m, n, out_norm, out_tile)
+    b_f, bias_f, colsum = cached_fold(b, bias, norm_weight, norm_bias, a_norm, cache, fold)
+    c = alloc((m, n), a.dtype, a.device)
+    stats = alloc(shape, torch.float32, a.device)
+    plan = hopper.deferred_mm_gluon(a, b_f, bias_f, colsum, residual, a_stats, a_eps, a_norm, a_tile, out_norm,
+                                    out_tile, c, stats, config)
+    if plan_out is not None:
+        dtype, device = a.dtype, a.device
+
+        def again(a, b, bias, residual, a_stats, norm_weight, norm_bias, *_):
+            c = alloc((m, n), dtype, device)
+            stats = alloc(shape, torch.float32, device)
+            b_f, bias_f, colsum = cached_fold(b, bias, norm_weight, norm_bias, a_norm, cache, fold)
+            plan(a, b_f, bias_f, colsum, residual, a_stats, c, stats)
+            return c, stats
+
+        plan_out.append(again)
+    return c, stats

@@ -1,0 +1,180 @@
+"""Deferred normalization (``fusenorm::deferred_mm``): which configuration a launch runs, and whether a norm
+site is deferred at all.
+
+- ``stats_tile``: the width of the column tiles the producer writes statistics for (a divisor of every
+  configuration's N tile, so each CTA writes whole partials of its own tile).
+- ``gluon_unsupported`` / ``deferred_candidates`` / ``deferred_config``: the Gluon kernel's configurations
+  (kernels/hopper/deferred_mm.py) and the one a launch runs: measured per GEMM and cached under
+  ``deferred_key`` (tuning/measure.py), else the first candidate.
+- ``site_choice``: the pattern's compile-time decision for one norm site (patterns/deferred_norm.py): the
+  fused GEMMs of the site (the producer that writes the statistics, each consumer that applies them) timed
+  against the unfused site, Inductor's own code for it where it compiles (tuning/baseline.py), else cuBLAS's
+  GEMMs plus the norm at copy speed; by tuning/decide.py's rules. Where nothing is measured (CPU,
+  measuring off, deterministic mode), a site whose producer is a GEMM is deferred; one whose input comes
+  from pointwise code is left to Lazy Pre-Norm (which computes the statistics in its consumer's mainloop)
+  while that pattern is on.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import config
+from . import baseline, measure
+from .decide import Choice, _choice, gluon_off
+
+__all__ = ["deferred_candidates", "deferred_config", "deferred_key", "gluon_unsupported", "site_choice",
+           "stats_tile"]
+
+STATS_TILE = 128  # the narrowest N tile the Gluon candidates use where rows are wider than it
+
+
+def stats_tile(n: int) -> int:
+    """Columns per statistics tile for rows of n: 128, or the one power-of-two tile a narrower row takes."""
+    from ..kernels.hopper.common import pow2_tile
+
+    return min(STATS_TILE, pow2_tile(n))
+
+
+def gluon_unsupported(a: Tensor, b: Tensor, residual: Optional[Tensor], out_norm: int, out_tile: int
+                      ) -> Optional[str]:
+    """Why the Gluon kernel cannot take these inputs; None when it can."""
+    why = gluon_off()
+    if why is not None:
+        return why
+    from ..kernels.hopper import deferred_mm as hopper
+
+    return hopper.unsupported(a, b, residual, out_norm, out_tile)
+
+
+def deferred_candidates(a: Tensor, b: Tensor, out_tile: int) -> list:
+    from ..kernels.hopper import deferred_mm as hopper
+
+    return hopper.candidates(a, b, out_tile)
+
+
+def deferred_key(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_norm, out_norm, out_tile) -> tuple:
+    return ("deferred_mm", a.device, measure.spec(a, rows=True), measure.spec(b), measure.spec(bias),
+            measure.spec(residual), measure.spec(a_stats), measure.spec(norm_weight), measure.spec(norm_bias),
+            int(a_norm), int(out_norm), int(out_tile))
+
+
+def deferred_config(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile, out_norm,
+                    out_tile, cache_fold=False):
+    """The GemmConfig a launch runs for these (real) arguments (``measure.tuned_config``: never a timing)."""
+    return measure.tuned_config(
+        deferred_key(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_norm, out_norm, out_tile), a.device,
+        lambda: deferred_candidates(a, b, out_tile))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The site's decision
+# ----------------------------------------------------------------------------------------------------------
+
+
+class Site:
+    """One norm site as the decision sees it (example values; fake ones at compile time):
+    ``producer``: the deferred_mm arguments of the GEMM whose epilogue writes the statistics (None where the
+    norm's input comes from pointwise code), ``consumers``: (b, bias) of each GEMM that applies the norm,
+    ``x``: the norm's input [M, N]; the norm's (weight, bias, eps, code); ``wgrads``: weight gradients that
+    read norm(x) rebuilt in the backward (training); ``cache``: whether the fold is kept between calls."""
+
+    def __init__(self, x, producer, consumers, weight, norm_bias, eps, norm, wgrads, cache):
+        self.x, self.producer, self.consumers = x, producer, consumers
+        self.weight, self.norm_bias, self.eps, self.norm = weight, norm_bias, eps, norm
+        self.wgrads, self.cache = wgrads, cache
+
+    def key(self) -> tuple:
+        p = self.producer
+        prod = None if p is None else tuple(measure.spec(t, rows=i == 0) for i, t in enumerate(p[:5])) + tuple(p[7:9])
+        return ("deferred_site", self.x.device, measure.spec(self.x, rows=True), prod,
+                tuple((measure.spec(b), measure.spec(bias)) for b, bias in self.consumers),
+                measure.spec(self.weight), measure.spec(self.norm_bias), int(self.norm), int(self.wgrads),
+                bool(self.cache))
+
+
+def site_choice(site: Site) -> Choice:
+    """Whether to defer this site's norm (``fuse``), with the configuration label and the reason."""
+    x = site.x
+    on_cuda = x.device.type == "cuda"
+    measured = on_cuda and measure.can_measure(x.device) and not torch.are_deterministic_algorithms_enabled()
+    if not measured and site.producer is None and config.patterns.norm_linear_fwd:
+        return Choice(False, "-", "not measured: a norm of pointwise code is left to Lazy Pre-Norm "
+                                  "(norm_linear_fwd) where nothing is timed")
+    if not on_cuda:
+        return Choice(True, f"{x.device.type} reference", f"fused (not measured on {x.device.type.upper()})")
+    tile = stats_tile(x.shape[1])
+    gemms = [(x, b, None, 0, 0) for b, _ in site.consumers]
+    if site.producer is not None:
+        gemms.append((site.producer[0], site.producer[1], site.producer[3], site.norm, tile))
+    for a, b, residual, out_norm, out_tile in gemms:
+        why = gluon_unsupported(a, b, residual, out_norm, out_tile)
+        if why is not None:
+            return Choice(False, "-", f"not deferred: the Gluon kernel cannot take a GEMM of the site ({why})")
+    return _choice(site.key(), x.device, lambda: _measure_site(site), lambda: "Gluon deferred_mm",
+                   what="Inductor's unfused site (or cuBLAS GEMMs + the norm at copy speed)")
+
+
+def _measure_site(site: Site) -> dict:
+    """The site's fused GEMMs (each candidate of each GEMM timed, the best kept under its own key for the
+    launches) against the unfused site."""
+    from ..kernels import deferred as op
+    from ..kernels.triton.common import GemmConfig
+
+    x, norm = site.x, site.norm
+    m, n = x.shape
+    tile = stats_tile(n)
+    dev = x.device
+    like = measure.RealInputs.like
+    with measure.RealInputs():
+        rx, rw, rnb = like(x, dev), like(site.weight, dev), like(site.norm_bias, dev)
+        stats = op.partial_stats(rx, norm, tile)
+        calls: list[tuple] = []
+        if site.producer is not None:
+            a, b, bias, residual, _, nw, nb, a_eps, a_norm, a_tile = site.producer[:10]
+            ra, rb, rbias, rres = measure.real_gemm_operands(a, b, bias, residual)
+            ra_stats = op.partial_stats(ra, a_norm, a_tile) if a_norm else None
+            calls.append((ra, rb, rbias, rres, ra_stats, like(nw, dev), like(nb, dev), a_eps, a_norm, a_tile, norm,
+                          tile, site.cache))
+        for b, bias in site.consumers:
+            _, rb, rbias = measure.real_gemm_operands(x, b, bias)
+            calls.append((rx, rb, rbias, None, stats, rw, rnb, site.eps, norm, tile, 0, 0, site.cache))
+        t_fused, times_all, best_all = 0.0, {}, []
+        for args in calls:
+            key = deferred_key(*args[:7], args[8], args[10], args[11])
+            best, times = measure.time_candidates(
+                deferred_candidates(args[0], args[1], args[11]),
+                lambda c, args=args: op.launch(args, c, _alloc))
+            measure.store(key, measure.make_entry(best, times, None), bucket=True)
+            t_fused += times[best]
+            best_all.append(best)
+            times_all.update({GemmConfig(f"{c.kind}#{len(best_all)}", *c[1:]): t for c, t in times.items()})
+        t_gemms = sum(measure.gemm_ms(c[0], c[1], c[2]) for c in calls)
+        # What the unfused norm adds to the GEMMs, in [M, N] passes at copy speed: after a GEMM, a kernel that
+        # reads x and writes n (with a residual add, it reads the GEMM's output and the residual and writes x
+        # too); after pointwise code, the write of n, in the kernel that computes x anyway.
+        passes = 1 if site.producer is None else (4 if site.producer[3] is not None else 2)
+        t_norm = measure.norm_proxy_ms(m, n, x.dtype, passes, x.device)
+        # norm(x) rebuilt in the backward for the weight gradients: one write, fused into the norm's backward
+        t_rebuild = measure.norm_proxy_ms(m, n, x.dtype, 1, x.device) if site.wgrads else 0.0
+        if t_norm is None or t_rebuild is None:
+            t_est = None
+        else:
+            t_est = t_gemms + t_norm
+            t_fused += t_rebuild
+        built = None
+        if site.producer is not None:
+            built = baseline.norm_site_fn(*calls[0][:4], rw, rnb, site.eps, norm == 1,
+                                          [(c[1], c[2]) for c in calls[1:]])
+        ind = baseline.time_compiled(*built, "norm site") if built is not None and baseline.enabled(x.device) else None
+    best = best_all[0]
+    entry = measure.make_entry(best, {best: t_fused}, t_est, None, ind)
+    entry["candidates"] = {c.label(): t for c, t in times_all.items()}
+    return entry
+
+
+def _alloc(shape, dtype, device):
+    return torch.empty(shape, dtype=dtype, device=device)

@@ -1,0 +1,322 @@
+"""``deferred_norm``: a norm between GEMMs, split between its producer and its consumers.
+
+Joint graph (ATen, forward + backward, before partitioning). Matches a canonical ``fusenorm::norm`` whose
+output is read by linears (``mm``/``addmm`` with the normalized tensor as the left operand, through a view
+that flattens a 3-D input's batch dims; fan-out: q/k/v, gate/up), and rewrites it to
+``fusenorm::deferred_mm`` calls (ops/deferred_norm.py):
+
+- the **producer**: where the norm's input is a linear's output (+ bias, + one residual add, through views),
+  that linear becomes a ``deferred_mm`` that also writes the input's partial row statistics (its residual
+  add folds into its epilogue when nothing else reads the linear's own output); where that linear is
+  already a ``deferred_mm`` (a tower: it applies the previous norm), it writes the statistics too. Where the
+  input comes from anything else (a pre-norm block's residual sum, computed by Inductor's pointwise code),
+  the statistics are a row reduction in aten ops, which Inductor fuses into the kernel that computes the
+  input;
+- each **consumer** linear becomes a ``deferred_mm`` that merges the statistics and applies the norm in its
+  epilogue, the affine folded into its weight (once per weight version in inference graphs);
+- readers of the normalized tensor that are not linears (a residual add, an activation, the graph's output)
+  keep the norm, which Inductor decomposes and fuses into them (norm(x) is then computed where it is read,
+  from x);
+- in training, the consumers' weight gradients ``mm(dz^T, y)`` read y rebuilt from x and the statistics in
+  aten ops (Inductor fuses the rebuild into the norm's backward, which reads x anyway), and the norm's
+  backward reads the statistics merged from the partials: y is never saved (peak memory drops by one
+  [M, N] per site).
+
+Where the norm's row fits one tile the post-norm epilogue (``linear_norm_fwd``, order 10) gets the site first;
+Lazy Pre-Norm (``norm_linear_fwd``, 20) gets what this one leaves. Whether to defer is measured per site
+(tuning/deferred_norm.py); the match report says what was chosen and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+from torch.fx import Node
+
+from fusenorm_inductor import fx_utils
+from fusenorm_inductor.fx_utils import flat_like, val
+from fusenorm_inductor.ops import deferred_norm as dops
+from fusenorm_inductor.ops.norm_mm import normed
+from fusenorm_inductor.report import GraphReport
+from fusenorm_inductor.tuning.decide import Choice
+from fusenorm_inductor.tuning.deferred_norm import Site, site_choice, stats_tile
+
+from .base import Pattern, bind_op_args, getitem_users, is_op, require
+from .post_norm import FLOATS
+from .views import JOINT, Gemm, GraphView, through_identities
+
+NORM = torch.ops.fusenorm.norm.default
+DEFERRED_MM = torch.ops.fusenorm.deferred_mm.default
+
+
+@dataclass
+class Producer:
+    """The GEMM whose epilogue will write the statistics: a linear (``gemm``) or a ``deferred_mm`` node with no
+    statistics yet (``deferred``); ``end``: the node whose value the fused output replaces (the residual add,
+    else the GEMM's output); ``residual``: folded into the epilogue (None: none, or not foldable)."""
+
+    end: Node
+    gemm: Optional[Gemm] = None
+    deferred: Optional[Node] = None
+    residual: Optional[Node] = None
+    chain: list[Node] = field(default_factory=list)  # nodes from the GEMM up to ``end``, erased when unused
+
+
+@dataclass
+class DeferredMatch:
+    norm: Node
+    args: dict[str, Any]
+    producer: Optional[Producer]
+    consumers: list[tuple[Node, Gemm]]  # (the linear's node, its operands)
+    wgrads: list[Node]  # mm(X, y2): the consumers' weight gradients
+    flat: list[Node]  # the [M, N] views of y the linears read
+    keeps_norm: bool  # a reader that is not a linear: the norm stays for it
+    choice: Choice
+
+
+class DeferredNorm(Pattern):
+    name = "deferred_norm"
+    stage = "joint"
+    # After post-norm, which takes a row that fits one tile whole where it wins; before Lazy Pre-Norm, whose
+    # consumers compute the statistics in their mainloops (this one's consumers only read them).
+    order = 15
+    switch = "patterns.deferred_norm"
+    anchor = NORM
+
+    def match(self, norm: Node) -> DeferredMatch:
+        return self.match_in(norm, JOINT)
+
+    def prospect(self, norm: Node, view: GraphView) -> None:
+        self.match_in(norm, view)
+
+    # ---- guards ----------------------------------------------------------------------------------------
+    def match_in(self, norm: Node, view: GraphView) -> DeferredMatch:
+        args = bind_op_args(norm)
+        x = args["x"]
+        xv = val(x)
+        require(fx_utils.static_width(xv, val(norm)[0]), "dynamic shapes (a symbolic width N): left to Inductor")
+        require(xv.dtype in FLOATS, f"norm input dtype {xv.dtype} not supported")
+        require((args["out_dtype"] or xv.dtype) == xv.dtype,
+                f"norm changes dtype ({xv.dtype} -> {args['out_dtype']}): not deferred")
+        require(xv.device.type in ("cpu", "cuda"), f"device {xv.device} not supported")
+        n = xv.shape[-1]
+        m = xv.numel() // n if n else 0
+        require(n > 0 and fx_utils.hint(m) > 0, "empty norm input")
+        ys = getitem_users(norm).get(0, [])
+        require(ys, "norm output unused")
+        flat, keeps_norm = [], False
+        for y in ys:
+            for u in list(y.users):
+                v = view.gemm_input(u, y, m, n)
+                if v is None:
+                    keeps_norm = True
+                elif v not in flat:
+                    flat.append(v)
+        consumers, wgrads = [], []
+        for v in flat:
+            for u in v.users:
+                g = view.gemm(u)
+                if g is not None and g.a is v and g.b is not v:
+                    _, bv, _ = view.gemm_values(g)
+                    require(bv.dtype == xv.dtype, f"linear weight dtype {bv.dtype} differs from the norm's {xv.dtype}")
+                    consumers.append((u, g))
+                elif g is not None and g.bias is None and g.b is v and g.a is not v:
+                    wgrads.append(u)
+                else:
+                    keeps_norm = True  # read by something else: the norm stays for it
+        require(consumers, "norm output feeds no linear")
+        training = view.training(norm.graph)
+        require(view.has_backward(norm) or not training,
+                "the norm's backward was not found (its statistics feed something else)")
+        producer = self.producer(x, view)
+        n_wgrads = len(wgrads) + view.implied_weight_grads([g.b for _, g in consumers])
+        choice = self.decide(args, producer, consumers, view, m, n, n_wgrads, training)
+        require(choice.fuse, choice.reason)
+        return DeferredMatch(norm, args, producer, consumers, wgrads, flat, keeps_norm, choice)
+
+    def producer(self, x: Node, view: GraphView) -> Optional[Producer]:
+        """The GEMM that can write the statistics (module docstring), else None (statistics in aten ops)."""
+        chain = [x]
+        end = through_identities(view, x, chain)
+        residual, inner = None, end
+        if view.is_add(end) and len(end.args) == 2 and not end.kwargs:
+            for side, other in ((0, 1), (1, 0)):
+                s = end.args[side]
+                cand_chain: list[Node] = [s] if isinstance(s, Node) else []
+                cand = through_identities(view, s, cand_chain)
+                r = end.args[other]
+                if isinstance(r, Node) and self._gemm_like(cand, view) is not None and \
+                        fx_utils.same_shape(val(r).shape, val(end).shape) and val(r).dtype == val(end).dtype and \
+                        all(not fx_utils.users_outside(c, cand_chain + [end]) for c in [cand] + cand_chain[:-1]):
+                    residual, inner, chain = r, cand, chain + cand_chain
+                    break
+        g = self._gemm_like(inner, view)
+        if g is None:
+            return None
+        gemm, deferred = g
+        if gemm is not None:
+            av, bv, _ = view.gemm_values(gemm)
+            if av.dtype != bv.dtype or av.dtype != val(x).dtype:
+                return None
+        elif deferred is not None and residual is not None and deferred.args[3] is not None:
+            return None
+        return Producer(end, gemm, deferred, residual, [c for c in chain if c is not end and c is not inner])
+
+    def _gemm_like(self, node: Any, view: GraphView) -> Optional[tuple[Optional[Gemm], Optional[Node]]]:
+        """(a linear, None) or (None, a deferred_mm without output statistics) producing ``node``."""
+        g = view.gemm(node)
+        if g is not None:
+            return g, None
+        if is_op(node, operator.getitem) and node.args[1] == 0 and is_op(node.args[0], DEFERRED_MM):
+            d = node.args[0]
+            if bind_op_args(d)["out_norm"] == dops.NONE:
+                return None, d
+        return None
+
+    def decide(self, args, producer: Optional[Producer], consumers, view: GraphView, m, n: int, n_wgrads: int,
+               training: bool) -> Choice:
+        xv = fx_utils.hinted(flat_like(val(args["x"]), m, n))
+        code = dops.RMS if args["is_rms"] else dops.LN
+        prod = None
+        if producer is not None:
+            res = flat_like(val(producer.residual), xv.shape[0], n) if producer.residual is not None else None
+            if producer.gemm is not None:
+                av, bv, biasv = view.gemm_values(producer.gemm)
+                prod = (fx_utils.hinted(av), bv, biasv, res, None, None, None, 0.0, dops.NONE, 0)
+            else:
+                d = bind_op_args(producer.deferred)
+                prod = tuple(val(d[k]) if isinstance(d[k], Node) else d[k] for k in
+                             ("a", "b", "bias", "residual", "a_stats", "norm_weight", "norm_bias"))
+                prod = (fx_utils.hinted(prod[0]),) + prod[1:3] + (res if res is not None else prod[3],) + prod[4:] + \
+                    (d["a_eps"], d["a_norm"], d["a_tile"])
+        cons = [view.gemm_values(g)[1:] for _, g in consumers]
+        site = Site(xv, prod, cons, val(args["weight"]), val(args["bias"]), args["eps"], code, n_wgrads,
+                    cache=not training)
+        return site_choice(site)
+
+    # ---- rewrite ---------------------------------------------------------------------------------------
+    def rewrite(self, graph: fx.Graph, m: DeferredMatch, rep: GraphReport) -> None:
+        # Every node that replaces the norm goes right before it: after its input and after every placeholder
+        # (the producer's replacement goes before the producer's last node, after all of its inputs).
+        args, norm = m.args, m.norm
+        xv = val(args["x"])
+        n = xv.shape[-1]
+        rows = xv.numel() // n
+        code = dops.RMS if args["is_rms"] else dops.LN
+        training = JOINT.training(graph)
+        if m.producer is not None:
+            tile = stats_tile(n)
+            x2, stats = self.rewrite_producer(graph, m.producer, code, tile, rows, n)
+        else:
+            tile = n
+            with graph.inserting_before(norm):
+                x2 = fx_utils.reshape(graph, args["x"], [rows, n])
+                stats = fx_utils.inline(graph, lambda t: dops.partial_stats(t, code, n), [x2])
+        for u, g in m.consumers:
+            with graph.inserting_before(u):
+                fused = fx_utils.call(graph, DEFERRED_MM, x2, g.b, g.bias, None, stats, args["weight"], args["bias"],
+                                      args["eps"], code, tile, dops.NONE, 0, not training)
+                out = fx_utils.getitems(graph, fused, 1)[0]
+            u.replace_all_uses_with(out)
+            graph.erase_node(u)
+        outs = getitem_users(norm)
+        needs_stats = bool(m.wgrads) or any(outs.get(i) for i in (1, 2))
+        mean = rstd = None
+        if needs_stats:
+            if m.keeps_norm:
+                mean, rstd = self.norm_stats(graph, norm, outs, rows)
+            else:
+                with graph.inserting_before(norm):
+                    mean, rstd = fx_utils.inline(graph, lambda s: dops.merge_stats(s, n, tile, args["eps"], code),
+                                                 [stats])
+        for g in m.wgrads:
+            # norm(x) rebuilt from x and the statistics in aten ops, in the backward: Inductor fuses it into
+            # the norm's backward kernel, which reads x anyway, so the rebuild costs one write of norm(x)
+            # where the unfused forward wrote it and the partitioner saved it.
+            mean_ = None if args["is_rms"] else mean
+            with graph.inserting_before(g):
+                rebuilt = fx_utils.inline(
+                    graph, lambda t, mu, r, w, b: normed(t, mu, r, w, b, args["is_rms"]).to(t.dtype),
+                    [x2, mean_, rstd, args["weight"], args["bias"]])
+            g.replace_input_with(g.args[1], rebuilt)
+        if m.keeps_norm:
+            fx_utils.erase_if_unused(graph, [v for v in m.flat if v not in outs.get(0, [])])
+        else:
+            shape = list(xv.shape[:-1])
+            with graph.inserting_before(norm):
+                for idx, new in ((1, mean), (2, rstd)):
+                    if outs.get(idx):
+                        r = new if (idx == 1 and args["is_rms"]) else fx_utils.reshape(graph, new, shape)
+                        for gi in outs[idx]:
+                            gi.replace_all_uses_with(r)
+                            graph.erase_node(gi)
+            fx_utils.erase_if_unused(graph, [v for v in m.flat if v not in outs.get(0, [])] + outs.get(0, []))
+            if norm.users:  # an error, not a Reject: the pass restores the graph it was given
+                raise RuntimeError(f"{self.name}: {norm.name} still has users after the rewrite")
+            graph.erase_node(norm)
+        fx_utils.stable_toposort(graph)
+        self.report(m, rep, rows, n, tile)
+
+    def rewrite_producer(self, graph: fx.Graph, p: Producer, code: int, tile: int, rows, n: int
+                         ) -> tuple[Node, Node]:
+        """The producer's GEMM replaced by a deferred_mm that also writes the statistics; returns its output
+        [M, N] and the statistics node."""
+        with graph.inserting_before(p.end):
+            res2 = fx_utils.reshape(graph, p.residual, [rows, n]) if p.residual is not None else None
+            if p.gemm is not None:
+                g = p.gemm
+                fused = fx_utils.call(graph, DEFERRED_MM, g.a, g.b, g.bias, res2, None, None, None, 0.0, dops.NONE,
+                                      0, code, tile, False)
+                old = [g.node]
+            else:
+                d = bind_op_args(p.deferred)
+                d.update(out_norm=code, out_tile=tile)
+                if res2 is not None:
+                    d["residual"] = res2
+                fused = fx_utils.call(graph, DEFERRED_MM, *d.values())
+                old = [u for gs in getitem_users(p.deferred).values() for u in gs] + [p.deferred]
+            c2, stats = fx_utils.getitems(graph, fused, 2)
+            c = fx_utils.reshape(graph, c2, val(p.end).shape)
+        p.end.replace_all_uses_with(c)
+        fx_utils.erase_if_unused(graph, list(dict.fromkeys([p.end] + p.chain + old)))
+        return c2, stats
+
+    def norm_stats(self, graph: fx.Graph, norm: Node, outs: dict, rows) -> tuple[Node, Node]:
+        """(mean [M] (RMSNorm: the 0-size output), rstd [M]) from the norm that stays for its other readers."""
+        got = {}
+        with graph.inserting_before(norm.next):
+            for idx in (1, 2):
+                got[idx] = outs[idx][0] if outs.get(idx) else fx_utils.call(graph, operator.getitem, norm, idx)
+            mean = got[1] if val(got[1]).numel() == 0 else fx_utils.reshape(graph, got[1], [rows])
+            rstd = fx_utils.reshape(graph, got[2], [rows])
+        return mean, rstd
+
+    def report(self, m: DeferredMatch, rep: GraphReport, rows, n: int, tile: int) -> None:
+        args = m.args
+        p = m.producer
+        if p is None:
+            made = "statistics: a row reduction in aten ops, fused by Inductor into the kernel that computes x"
+        elif p.gemm is not None:
+            made = (f"statistics: written by the producer linear {p.gemm.node.name}'s epilogue"
+                    f"{' (with its residual add)' if p.residual is not None else ''}")
+        else:
+            made = f"statistics: written by {p.deferred.name} (a GEMM that applies the previous norm: a chain)"
+        consumers = ", ".join(u.name for u, _ in m.consumers)
+        affine = args["weight"] is not None or args["bias"] is not None
+        rep.rewrite(
+            self.name, self.stage, [m.norm.name] + [u.name for u, _ in m.consumers],
+            {"M": rows, "N": n, "tile": tile, "x": list(val(args["x"]).shape)}, val(args["x"]).dtype,
+            f"deferred norm [{m.choice.config}]: {m.choice.reason}",
+            f"{'RMSNorm' if args['is_rms'] else 'LayerNorm'}, affine={'yes' if affine else 'no'}; {made}; applied "
+            f"in the epilogue of {len(m.consumers)} linear(s) ({consumers}); weight gradients reading norm(x) rebuilt "
+            f"from x and the statistics in the backward={len(m.wgrads)}; "
+            f"{'the norm stays for readers that are not linears (fused into them by Inductor)' if m.keeps_norm else 'norm(x) never written'}"
+            f"{fx_utils.dynamic_note(rows, m.choice.t_fused_ms is not None)}",
+        )
+
+
+__all__ = ["DeferredNorm"]

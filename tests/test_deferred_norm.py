@@ -1,0 +1,374 @@
+"""Deferred normalization on the CPU: the op's reference (statistics, merge, the epilogue's algebra, the fold
+cache, validation, autograd) and the pattern's rewrites of each site form (tower, post-LN block, pre-norm
+block with fan-out, a norm read by a linear and a pointwise op, 3-D inputs), inference and training, against
+the unfused model. The Gluon kernel's numerics are tests/test_gluon_deferred_mm.py's (H200)."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fusenorm_inductor as fi
+from fusenorm_inductor import config
+from fusenorm_inductor.kernels import deferred as d
+
+LN, RMS = d.LN, d.RMS
+
+
+def _ref_stats(y, norm, eps=1e-5):
+    y = y.double()
+    if norm == RMS:
+        return None, torch.rsqrt(y.square().mean(-1) + eps)
+    var, mean = torch.var_mean(y, -1, unbiased=False)
+    return mean, torch.rsqrt(var + eps)
+
+
+@pytest.mark.parametrize("n,tile", [(40, 16), (40, 64), (3000, 128), (257, 128)])
+@pytest.mark.parametrize("norm", [RMS, LN])
+def test_partial_stats_merge(n, tile, norm):
+    torch.manual_seed(n)
+    y = (torch.randn(37, n) * 3 + 0.5).to(torch.bfloat16)
+    stats = d.partial_stats(y, norm, tile)
+    assert stats.shape == (1 if norm == RMS else 2, 37, -(-n // tile))
+    mean, rstd = d.merge_stats(stats, n, tile, 1e-5, norm)
+    ref_mean, ref_rstd = _ref_stats(y.float(), norm)
+    torch.testing.assert_close(rstd.double(), ref_rstd, rtol=1e-5, atol=0)
+    if norm == LN:
+        torch.testing.assert_close(mean.double(), ref_mean, rtol=1e-6, atol=1e-6)
+    else:
+        assert mean.numel() == 0
+
+
+def test_layernorm_statistics_at_large_mean():
+    # |mean| / std = 1000: Chan's merge of tile partials keeps the variance; E[y^2] - mean^2 would not.
+    torch.manual_seed(1)
+    y = 1000 + torch.randn(64, 3000)
+    stats = d.partial_stats(y, LN, 128)
+    mean, rstd = d.merge_stats(stats, 3000, 128, 1e-5, LN)
+    ref_mean, ref_rstd = _ref_stats(y, LN)
+    torch.testing.assert_close(rstd.double(), ref_rstd, rtol=1e-4, atol=0)
+    torch.testing.assert_close(mean.double(), ref_mean, rtol=1e-7, atol=1e-4)
+
+
+def _consumer_args(y, w, bias, gamma, beta, norm, tile, out_norm=0, out_tile=0):
+    return (y, w.t(), bias, None, d.partial_stats(y, norm, tile), gamma, beta, 1e-5, norm, tile, out_norm, out_tile,
+            False)
+
+
+@pytest.mark.parametrize("norm", [RMS, LN])
+@pytest.mark.parametrize("affine", [True, False])
+def test_consumer_applies_the_norm(norm, affine):
+    torch.manual_seed(2)
+    m, n, p = 257, 40, 72
+    y = torch.randn(m, n) * 2 + 0.3
+    w, bias = torch.randn(p, n) / 6, torch.randn(p)
+    gamma = torch.randn(n) if affine else None
+    beta = torch.randn(n) if affine and norm == LN else None
+    c, stats = torch.ops.fusenorm.deferred_mm(*_consumer_args(y, w, bias, gamma, beta, norm, 16))
+    h = F.rms_norm(y.double(), (n,), gamma.double() if gamma is not None else None, 1e-5) if norm == RMS else \
+        F.layer_norm(y.double(), (n,), *(t.double() if t is not None else None for t in (gamma, beta)), 1e-5)
+    ref = F.linear(h, w.double(), bias.double())
+    torch.testing.assert_close(c.double(), ref, rtol=1e-5, atol=1e-5)
+    assert stats.numel() == 0
+
+
+@pytest.mark.parametrize("norm", [RMS, LN])
+def test_chain_link_writes_statistics_of_stored_values(norm):
+    torch.manual_seed(3)
+    m, k, n = 100, 48, 264
+    a = torch.randn(m, k).bfloat16()
+    w, bias, res = (torch.randn(n, k) / 7).bfloat16(), torch.randn(n).bfloat16(), torch.randn(m, n).bfloat16()
+    c, stats = torch.ops.fusenorm.deferred_mm(a, w.t(), bias, res, d.partial_stats(a, norm, 16), torch.randn(k),
+                                              None, 1e-6, norm, 16, LN, 128, False)
+    # The statistics are of c as stored (bf16), what an unfused norm would read.
+    torch.testing.assert_close(stats, d.partial_stats(c, LN, 128), rtol=0, atol=0)
+    assert c.dtype == torch.bfloat16 and stats.shape == (2, m, 3)
+
+
+def test_validation_names_the_problem():
+    y, w = torch.randn(8, 16), torch.randn(16, 4)
+    op = torch.ops.fusenorm.deferred_mm
+    with pytest.raises(ValueError, match="a_norm must be 0"):
+        op(y, w, None, None, None, None, None, 1e-5, 3, 16, 0, 0, False)
+    with pytest.raises(ValueError, match="'a_stats' must have shape"):
+        op(y, w, None, None, torch.zeros(1, 8, 2), None, None, 1e-5, RMS, 16, 0, 0, False)
+    with pytest.raises(ValueError, match="a_norm = 0"):
+        op(y, w, None, None, torch.zeros(1, 8, 1), None, None, 1e-5, 0, 16, 0, 0, False)
+    with pytest.raises(ValueError, match="out_tile must be a positive int"):
+        op(y, w, None, None, None, None, None, 1e-5, 0, 0, RMS, 0, False)
+    with pytest.raises(ValueError, match="inner dims differ"):
+        op(y, torch.randn(15, 4), None, None, None, None, None, 1e-5, 0, 0, 0, 0, False)
+
+
+def test_autograd_without_a_norm_matches_torch():
+    torch.manual_seed(4)
+    leaves = [torch.randn(*s, requires_grad=True) for s in ((9, 8), (8, 5), (5,), (9, 5))]
+    dc = torch.randn(9, 5)
+    c, stats = torch.ops.fusenorm.deferred_mm(*leaves, None, None, None, 0.0, 0, 0, RMS, 4, False)
+    c.backward(dc)
+    got = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    a, b, bias, res = leaves
+    (a @ b + bias + res).backward(dc)
+    for g, t in zip(got, leaves):
+        torch.testing.assert_close(g, t.grad, rtol=1e-5, atol=1e-5)
+    assert not stats.requires_grad
+
+
+def test_autograd_through_a_deferred_norm_says_so():
+    y = torch.randn(8, 16, requires_grad=True)
+    c, _ = torch.ops.fusenorm.deferred_mm(y, torch.randn(16, 4), None, None, d.partial_stats(y.detach(), RMS, 16),
+                                          None, None, 1e-5, RMS, 16, 0, 0, False)
+    with pytest.raises(NotImplementedError, match="not implemented for direct calls"):
+        c.sum().backward()
+
+
+def test_fold_cache_follows_weight_versions():
+    d._FOLDS.clear()
+    b, g = torch.randn(16, 8), torch.randn(16)
+    calls = []
+
+    def fold(*t):
+        calls.append(1)
+        return d.folded(*t, LN)
+
+    first = d.cached_fold(b, None, g, None, LN, True, fold)
+    assert d.cached_fold(b, None, g, None, LN, True, fold) is first and len(calls) == 1
+    g.mul_(2)  # a new version of the norm weight (an optimizer step): folded again
+    second = d.cached_fold(b, None, g, None, LN, True, fold)
+    assert len(calls) == 2
+    torch.testing.assert_close(second[0], first[0] * 2)
+    d.cached_fold(b, None, g, None, LN, False, fold)  # training graphs fold every call
+    assert len(calls) == 3
+    with torch.inference_mode():
+        gi = torch.randn(16)
+    d.cached_fold(b, None, gi, None, LN, True, fold)
+    d.cached_fold(b, None, gi, None, LN, True, fold)
+    assert len(calls) == 5  # an inference tensor has no version counter: never cached
+
+
+# ---- the pattern ---------------------------------------------------------------------------------------------
+
+
+class Tower(nn.Module):
+    def __init__(self, d_in, d, layers=3, norm="ln"):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.lins = nn.ModuleList([nn.Linear(d, d) for _ in range(layers - 1)])
+        self.norms = nn.ModuleList([nn.LayerNorm(d) if norm == "ln" else nn.RMSNorm(d) for _ in range(layers - 1)])
+
+    def forward(self, x):
+        h = self.inp(x)
+        for lin, norm in zip(self.lins, self.norms):
+            h = lin(norm(h))
+        return h
+
+
+class PreNormBlock(nn.Module):
+    """x + o(h) -> RMSNorm -> q, k, v (fan-out) and the residual stream."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.o = nn.Linear(d, d, bias=False)
+        self.norm = nn.RMSNorm(d)
+        self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
+
+    def forward(self, x, h):
+        x = x + self.o(h)
+        n = self.norm(x)
+        return x, self.q(n) * self.k(n) + self.v(n)
+
+
+class MixedReaders(nn.Module):
+    """A norm read by a linear and by a pointwise op (the norm stays for the latter)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(d, d), nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        n = self.norm(self.a(x))
+        return self.b(n) + torch.relu(n)
+
+
+def _compiled(model, *inputs, training=False, **patch):
+    torch._dynamo.reset()
+    opts = {"patterns.linear_norm_fwd": False, **patch}
+    with config.patch(opts):
+        c = torch.compile(model, backend="fusenorm")
+        if training:
+            out = c(*inputs)
+            return out, fi.last_report()
+        with torch.no_grad():
+            return c(*inputs), fi.last_report()
+
+
+def _rewrites(rep, name="deferred_norm"):
+    return [r for r in rep.rewrites if r.pattern == name]
+
+
+def _params_normal(m):
+    for p in m.parameters():
+        p.data.normal_(0, 0.5)
+    return m
+
+
+@pytest.mark.parametrize("norm", ["ln", "rms"])
+@pytest.mark.parametrize("shape", [(257, 40), (3, 86, 40)])
+def test_tower_inference(norm, shape):
+    torch.manual_seed(5)
+    m = _params_normal(Tower(40, 48, layers=4, norm=norm))
+    x = torch.randn(*shape)
+    out, rep = _compiled(m, x)
+    assert len(_rewrites(rep)) == 3
+    # the second and third sites' producers are the previous sites' consumers: a chain
+    assert sum("chain" in r.detail for r in _rewrites(rep)) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("norm", ["ln", "rms"])
+def test_tower_training_matches_gradients(norm):
+    torch.manual_seed(6)
+    m = _params_normal(Tower(40, 48, layers=3, norm=norm))
+    x = torch.randn(257, 40, requires_grad=True)
+    out, rep = _compiled(m, x, training=True)
+    assert len(_rewrites(rep)) == 2
+    assert all("from x and the statistics in the backward=1" in r.detail for r in _rewrites(rep))
+    out.square().sum().backward()
+    grads = [p.grad.clone() for p in m.parameters()] + [x.grad.clone()]
+    for p in m.parameters():
+        p.grad = None
+    x.grad = None
+    ref = m(x)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for g, r in zip(grads, [p.grad for p in m.parameters()] + [x.grad]):
+        torch.testing.assert_close(g, r, rtol=1e-3, atol=1e-3 * r.abs().max().item())
+
+
+def test_post_ln_block_folds_the_residual():
+    torch.manual_seed(7)
+
+    class PostLN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.norm, self.b = nn.Linear(40, 40), nn.LayerNorm(40), nn.Linear(40, 24)
+
+        def forward(self, x):
+            return self.b(self.norm(self.a(x) + x))
+
+    m = _params_normal(PostLN())
+    x = torch.randn(2, 129, 40)
+    out, rep = _compiled(m, x)
+    (r,) = _rewrites(rep)
+    assert "with its residual add" in r.detail and "norm(x) never written" in r.detail
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x), rtol=1e-4, atol=1e-4)
+
+
+def test_pre_norm_block_fan_out():
+    torch.manual_seed(8)
+    m = _params_normal(PreNormBlock(40))
+    x, h = torch.randn(257, 40), torch.randn(257, 40)
+    (xs, out), rep = _compiled(m, x, h)
+    (r,) = _rewrites(rep)
+    assert "3 linear(s)" in r.detail and "producer linear" in r.detail
+    with torch.no_grad():
+        ref_x, ref = m(x, h)
+    torch.testing.assert_close(xs, ref_x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_norm_read_by_a_linear_and_a_pointwise_op():
+    torch.manual_seed(9)
+    m = _params_normal(MixedReaders(40))
+    x = torch.randn(257, 40, requires_grad=True)
+    out, rep = _compiled(m, x, training=True)
+    (r,) = _rewrites(rep)
+    assert "the norm stays for readers that are not linears" in r.detail
+    out.sum().backward()
+    g = [p.grad.clone() for p in m.parameters()]
+    for p in m.parameters():
+        p.grad = None
+    ref = m(x)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(g, [p.grad for p in m.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * b.abs().max().item())
+
+
+def test_pointwise_producer_left_to_lazy_pre_norm_unless_it_is_off():
+    torch.manual_seed(10)
+
+    class PW(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.b = nn.LayerNorm(40), nn.Linear(40, 24)
+
+        def forward(self, x, r):
+            return self.b(self.norm(torch.relu(x) + r))
+
+    m = _params_normal(PW())
+    x, r = torch.randn(257, 40), torch.randn(257, 40)
+    out, rep = _compiled(m, x, r)
+    assert not _rewrites(rep) and _rewrites(rep, "norm_linear_fwd")
+    out, rep = _compiled(m, x, r, **{"patterns.norm_linear_fwd": False})
+    (rw,) = _rewrites(rep)
+    assert "row reduction in aten ops" in rw.detail
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x, r), rtol=1e-4, atol=1e-4)
+
+
+def test_layernorm_at_large_mean_through_the_graph():
+    # The producer's output rows are 1000 + O(1): the consumer's rank-1 term cancels most of its accumulator.
+    torch.manual_seed(11)
+    m = _params_normal(Tower(40, 48, layers=2, norm="ln")).double()
+    with torch.no_grad():
+        m.inp.bias.fill_(1000.0)
+    m = m.float()
+    x = torch.randn(257, 40)
+    out, rep = _compiled(m, x)
+    assert len(_rewrites(rep)) == 1
+    with torch.no_grad():
+        ref = m.double()(x.double())
+    m.float()
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert err < 1e-3
+
+
+def test_switched_off_leaves_the_norm():
+    m = _params_normal(Tower(40, 48, layers=3))
+    _, rep = _compiled(m, torch.randn(64, 40), **{"patterns.deferred_norm": False})
+    assert not _rewrites(rep)
+
+
+def test_dynamic_rows():
+    torch.manual_seed(12)
+    m = _params_normal(Tower(40, 48, layers=3, norm="rms"))
+    torch._dynamo.reset()
+    with config.patch({"patterns.linear_norm_fwd": False}):
+        c = torch.compile(m, backend="fusenorm", dynamic=True)
+        with torch.no_grad():
+            for rows in (33, 257):
+                x = torch.randn(rows, 40)
+                torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-4)
+    assert len(_rewrites(fi.last_report())) == 2
+
+
+@pytest.mark.parametrize("norm", ["ln", "rms"])
+def test_training_saves_no_normalized_tensor(norm):
+    # Inductor's graph saves x and norm(x) per site (the norm's backward, the next linear's weight gradient);
+    # the deferred graph saves x and the statistics, and rebuilds norm(x) in the backward.
+    from tests.models import saved_bytes
+
+    def make():
+        return Tower(40, 48, layers=3, norm=norm)
+
+    inputs = (torch.randn(257, 40),)
+    unfused = saved_bytes(make, inputs, "inductor", "cpu")
+    with config.patch({"patterns.linear_norm_fwd": False}):
+        fused = saved_bytes(make, inputs, "fusenorm", "cpu")
+        assert len(_rewrites(fi.last_report())) == 2
+    assert fused <= unfused - 2 * 257 * 48 * 4, (fused, unfused)
