@@ -13,6 +13,7 @@ import torch._inductor.config as inductor_config
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import _common  # noqa: E402
+import infer_mlp  # noqa: E402
 import train_hf  # noqa: E402
 import train_mlp  # noqa: E402
 import train_pffn  # noqa: E402
@@ -45,6 +46,14 @@ def test_train_mlp_fuses_every_post_norm(tmp_path):
     data = json.loads(out.read_text())
     assert data["runs"]["fusenorm"]["losses"] == pytest.approx(data["runs"]["inductor"]["losses"], rel=1e-5)
     assert "reports" not in data["runs"]["fusenorm"]  # the summary only
+
+
+def test_infer_mlp_serves_the_same_outputs():
+    result = infer_mlp.main(["--device", "cpu", "--rows", "40", "--width", "24", "--depth", "2", "--batches", "2",
+                             "--report", "none"])
+    assert result["max_abs_diff"] <= 1e-5 * result["scale"]
+    rep = result["report"]
+    assert rep["norm_sites"] == 2 and rep["fused_sites"] == 2 and rep["errors"] == [], rep
 
 
 def test_train_pffn_fuses_each_attention_block():
