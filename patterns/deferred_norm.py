@@ -47,10 +47,11 @@ from fusenorm_inductor.tuning.deferred_norm import Site, site_choice, stats_tile
 
 from .base import Pattern, bind_op_args, getitem_users, is_op, require
 from .post_norm import FLOATS
-from .views import JOINT, Gemm, GraphView, through_identities
+from .views import IDENTITIES, JOINT, Gemm, GraphView, through_identities
 
 NORM = torch.ops.fusenorm.norm.default
 DEFERRED_MM = torch.ops.fusenorm.deferred_mm.default
+TRANSPOSES = (torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.transpose.int)
 
 
 @dataclass
@@ -72,7 +73,7 @@ class DeferredMatch:
     args: dict[str, Any]
     producer: Optional[Producer]
     consumers: list[tuple[Node, Gemm]]  # (the linear's node, its operands)
-    wgrads: list[Node]  # mm(X, y2): the consumers' weight gradients
+    readers: list[tuple[Node, Node]]  # (a reader of y in the backward, the node of y it reads): weight gradients
     flat: list[Node]  # the [M, N] views of y the linears read
     keeps_norm: bool  # a reader that is not a linear: the norm stays for it
     choice: Choice
@@ -108,24 +109,30 @@ class DeferredNorm(Pattern):
         require(n > 0 and fx_utils.hint(m) > 0, "empty norm input")
         ys = getitem_users(norm).get(0, [])
         require(ys, "norm output unused")
-        flat, keeps_norm = [], False
+        # Readers of y: linears (consumers), readers in the backward (a weight gradient, through a transpose for
+        # a Conv1D-style [K, N] weight), which read y rebuilt there, and anything else, for which the norm stays.
+        bwd = fx_utils.tangent_dependent(norm.graph) if view is JOINT else set()
+        flat, readers, keeps_norm = [], [], False
         for y in ys:
             for u in list(y.users):
                 v = view.gemm_input(u, y, m, n)
-                if v is None:
+                if v is not None:
+                    if v not in flat:
+                        flat.append(v)
+                elif _backward_reader(u, bwd):
+                    readers.append((u, y))
+                else:
                     keeps_norm = True
-                elif v not in flat:
-                    flat.append(v)
-        consumers, wgrads = [], []
+        consumers = []
         for v in flat:
             for u in v.users:
                 g = view.gemm(u)
-                if g is not None and g.a is v and g.b is not v:
+                if u not in bwd and g is not None and g.a is v and g.b is not v:
                     _, bv, _ = view.gemm_values(g)
                     require(bv.dtype == xv.dtype, f"linear weight dtype {bv.dtype} differs from the norm's {xv.dtype}")
                     consumers.append((u, g))
-                elif g is not None and g.bias is None and g.b is v and g.a is not v:
-                    wgrads.append(u)
+                elif _backward_reader(u, bwd):
+                    readers.append((u, v))
                 else:
                     keeps_norm = True  # read by something else: the norm stays for it
         require(consumers, "norm output feeds no linear")
@@ -133,10 +140,10 @@ class DeferredNorm(Pattern):
         require(view.has_backward(norm) or not training,
                 "the norm's backward was not found (its statistics feed something else)")
         producer = self.producer(x, view)
-        n_wgrads = len(wgrads) + view.implied_weight_grads([g.b for _, g in consumers])
+        n_wgrads = len(readers) + view.implied_weight_grads([g.b for _, g in consumers])
         choice = self.decide(args, producer, consumers, view, m, n, n_wgrads, training)
         require(choice.fuse, choice.reason)
-        return DeferredMatch(norm, args, producer, consumers, wgrads, flat, keeps_norm, choice)
+        return DeferredMatch(norm, args, producer, consumers, readers, flat, keeps_norm, choice)
 
     def producer(self, x: Node, view: GraphView) -> Optional[Producer]:
         """The GEMM that can write the statistics (module docstring), else None (statistics in aten ops)."""
@@ -224,7 +231,7 @@ class DeferredNorm(Pattern):
             u.replace_all_uses_with(out)
             graph.erase_node(u)
         outs = getitem_users(norm)
-        needs_stats = bool(m.wgrads) or any(outs.get(i) for i in (1, 2))
+        needs_stats = bool(m.readers) or any(outs.get(i) for i in (1, 2))
         mean = rstd = None
         if needs_stats:
             if m.keeps_norm:
@@ -233,16 +240,17 @@ class DeferredNorm(Pattern):
                 with graph.inserting_before(norm):
                     mean, rstd = fx_utils.inline(graph, lambda s: dops.merge_stats(s, n, tile, args["eps"], code),
                                                  [stats])
-        for g in m.wgrads:
+        for u, inp in m.readers:
             # norm(x) rebuilt from x and the statistics in aten ops, in the backward: Inductor fuses it into
             # the norm's backward kernel, which reads x anyway, so the rebuild costs one write of norm(x)
             # where the unfused forward wrote it and the partitioner saved it.
             mean_ = None if args["is_rms"] else mean
-            with graph.inserting_before(g):
+            with graph.inserting_before(u):
                 rebuilt = fx_utils.inline(
                     graph, lambda t, mu, r, w, b: normed(t, mu, r, w, b, args["is_rms"]).to(t.dtype),
                     [x2, mean_, rstd, args["weight"], args["bias"]])
-            g.replace_input_with(g.args[1], rebuilt)
+                rebuilt = fx_utils.reshape(graph, rebuilt, val(inp).shape)
+            u.replace_input_with(inp, rebuilt)
         if m.keeps_norm:
             fx_utils.erase_if_unused(graph, [v for v in m.flat if v not in outs.get(0, [])])
         else:
@@ -313,10 +321,18 @@ class DeferredNorm(Pattern):
             f"deferred norm [{m.choice.config}]: {m.choice.reason}",
             f"{'RMSNorm' if args['is_rms'] else 'LayerNorm'}, affine={'yes' if affine else 'no'}; {made}; applied "
             f"in the epilogue of {len(m.consumers)} linear(s) ({consumers}); weight gradients reading norm(x) rebuilt "
-            f"from x and the statistics in the backward={len(m.wgrads)}; "
+            f"from x and the statistics in the backward={len(m.readers)}; "
             f"{'the norm stays for readers that are not linears (fused into them by Inductor)' if m.keeps_norm else 'norm(x) never written'}"
             f"{fx_utils.dynamic_note(rows, m.choice.t_fused_ms is not None)}",
         )
+
+
+def _backward_reader(u: Node, bwd: set) -> bool:
+    """Whether ``u`` reads y only for the backward: it is part of the backward, or a view or transpose of y
+    that only the backward reads."""
+    if u in bwd:
+        return True
+    return is_op(u, *IDENTITIES, *TRANSPOSES) and bool(u.users) and all(w in bwd for w in u.users)
 
 
 __all__ = ["DeferredNorm"]

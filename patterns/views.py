@@ -205,6 +205,11 @@ class TorchView(GraphView):
         elif is_op(n, *MATMULS) or _is_method(n, "matmul", "mm"):
             if len(n.args) == 2 and all(isinstance(a, Node) for a in n.args) and val(n.args[1]).dim() == 2:
                 return Gemm(n, n.args[0], n.args[1], None)
+        elif is_op(n, torch.addmm) and len(n.args) == 3 and not n.kwargs:
+            # HF GPT-2's Conv1D: addmm(bias, x.view(-1, K), W) with W [K, N], as the joint graph has it
+            bias, a, w = n.args
+            if all(isinstance(t, Node) for t in n.args) and val(w).dim() == 2 and val(bias).dim() == 1:
+                return Gemm(n, a, w, bias)
         return None
 
     def gemm_values(self, g: Gemm) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -213,6 +218,8 @@ class TorchView(GraphView):
         out = val(g.node)
         n_ = out.shape[-1]
         a = flat_like(out, out.numel() // n_, val(g.a).shape[-1])
+        if is_op(g.node, torch.addmm):
+            return a, val(g.b), val(g.bias)
         if not is_op(g.node, *LINEARS):
             return a, val(g.b), None
         w = val(g.b)
@@ -220,8 +227,12 @@ class TorchView(GraphView):
         return a, b, flat_like(val(g.bias), n_, dtype=out.dtype) if g.bias is not None else None
 
     def gemm_input(self, u: Node, y: Node, m: Any, k: Any) -> Optional[Node]:
-        """A linear reading y as its input; one computed in another dtype (autocast) reads a cast of y in the
-        joint graph, which is a user that is not a linear."""
+        """A linear reading y as its input, or a view of y to [M, K] that only GEMMs read as their input (the
+        ``x.view(-1, K)`` before a Conv1D's addmm); one computed in another dtype (autocast) reads a cast of y in
+        the joint graph, which is a user that is not a linear."""
+        if self.identity_input(u) is y and u.users and fx_utils.same_shape(val(u).shape, (m, k)):
+            if all((g := self.gemm(w)) is not None and g.a is u and g.b is not u for w in u.users):
+                return u
         g = self.gemm(u)
         if g is None or g.a is not y:
             return None

@@ -372,3 +372,64 @@ def test_training_saves_no_normalized_tensor(norm):
         fused = saved_bytes(make, inputs, "fusenorm", "cpu")
         assert len(_rewrites(fi.last_report())) == 2
     assert fused <= unfused - 2 * 257 * 48 * 4, (fused, unfused)
+
+
+class Conv1D(nn.Module):
+    """HF GPT-2's projection: addmm(bias, x.view(-1, K), W) with W [K, N], viewed back."""
+
+    def __init__(self, nx, nf):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.2)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.2)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.bias.shape[0],)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class GPT2MLPTail(nn.Module):
+    """x + c_proj(a) -> LayerNorm -> c_fc -> gelu -> c_proj2 (+ the residual): GPT-2's projections between
+    its norms."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.c_proj, self.ln, self.c_fc, self.c_out = Conv1D(d, d), nn.LayerNorm(d), Conv1D(d, 2 * d), Conv1D(2 * d, d)
+
+    def forward(self, a, x):
+        x = x + self.c_proj(a)
+        return x + self.c_out(F.gelu(self.c_fc(self.ln(x))))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_gpt2_conv1d_projections(training):
+    torch.manual_seed(13)
+    m = GPT2MLPTail(40)
+    a, x = torch.randn(2, 65, 40, requires_grad=training), torch.randn(2, 65, 40, requires_grad=training)
+    out, rep = _compiled(m, a, x, training=training)
+    (r,) = _rewrites(rep)
+    assert "producer linear" in r.detail and "with its residual add" in r.detail, r.detail
+    if training:
+        assert "in the backward=1" in r.detail, r.detail  # c_fc's weight gradient, through a transpose
+        out.square().sum().backward()
+        got = [p.grad.clone() for p in m.parameters()] + [a.grad.clone(), x.grad.clone()]
+        for p in list(m.parameters()) + [a, x]:
+            p.grad = None
+        ref = m(a, x)
+        ref.square().sum().backward()
+        for g, t in zip(got, list(m.parameters()) + [a, x]):
+            torch.testing.assert_close(g, t.grad, rtol=1e-3, atol=1e-3 * t.grad.abs().max().item())
+    else:
+        with torch.no_grad():
+            ref = m(a, x)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_gpt2_conv1d_projections_are_lazy_pre_norm_candidates_too():
+    # (Post-norm cannot take this site: the residual sum is read again by the next residual add.)
+    torch.manual_seed(14)
+    m = GPT2MLPTail(40)
+    a, x = torch.randn(2, 65, 40), torch.randn(2, 65, 40)
+    out, rep = _compiled(m, a, x, **{"patterns.deferred_norm": False})
+    assert _rewrites(rep, "norm_linear_fwd"), [(r.pattern, r.detail) for r in rep.rewrites]
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(a, x), rtol=1e-4, atol=1e-4)
