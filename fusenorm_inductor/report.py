@@ -48,6 +48,7 @@ class Rewrite:
     dtype: str
     kernel: str
     detail: str = ""
+    measure_s: float = 0.0  # seconds the match's decision spent measuring (a first compile's cost)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Skip:
     stage: str
     node: str
     reason: str
+    measure_s: float = 0.0
 
 
 def _uncount(pattern: str) -> None:
@@ -90,6 +92,13 @@ class GraphReport:
         if text not in self._warned:
             self._warned.add(text)
             warnings.warn(f"fusenorm: {text}")
+
+    def charge(self, seconds: float, since: tuple[int, int]) -> None:
+        """Put the seconds a match spent measuring on the first entry it recorded after ``since`` (the counts
+        of rewrites and skips before it)."""
+        entries = self.rewrites[since[0]:] + self.skips[since[1]:]
+        if seconds > 0 and entries:
+            entries[0].measure_s += seconds
 
     def rewrite(self, pattern: str, stage: str, nodes, shapes, dtype, kernel, detail: str = "") -> None:
         shapes = {k: _plain(v) for k, v in shapes.items()}  # symbolic sizes (dynamic shapes) as text
@@ -134,13 +143,13 @@ class GraphReport:
             shapes = ", ".join(f"{k}={v}" for k, v in r.shapes.items())
             lines.append(
                 f"- **{r.pattern}** ({r.stage}): nodes {', '.join(r.nodes)}; {shapes}; dtype {r.dtype}; "
-                f"kernel {r.kernel}" + (f"; {r.detail}" if r.detail else "")
+                f"kernel {r.kernel}" + (f"; {r.detail}" if r.detail else "") + _measured(r.measure_s)
             )
         lines += ["", "## Seen, not rewritten", ""]
         if not self.skips:
             lines.append("(none)")
         for s in self.skips:
-            lines.append(f"- {s.pattern} ({s.stage}) at `{s.node}`: {s.reason}")
+            lines.append(f"- {s.pattern} ({s.stage}) at `{s.node}`: {s.reason}{_measured(s.measure_s)}")
         if self.errors:
             lines += ["", "## Errors (the graph was left to plain Inductor)", ""]
             lines += [f"- {e}" for e in self.errors]
@@ -440,6 +449,10 @@ def _install_hooks() -> None:
 def reports() -> list[GraphReport]:
     """Reports of the graphs compiled recently in this process (newest last)."""
     return list(_history)
+
+
+def _measured(seconds: float) -> str:
+    return f" (measured in {seconds:.2f} s)" if seconds >= 0.005 else ""
 
 
 def last_report() -> Optional[GraphReport]:

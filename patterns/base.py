@@ -67,14 +67,24 @@ class Pattern:
             if not self.enabled():
                 rep.skip(self.name, self.stage, node, f"pattern disabled by config ({self.switch})")
                 continue
+            before, since = _measuring_s(), (len(rep.rewrites), len(rep.skips))
             try:
                 m = self.match(node)
             except Reject as r:
                 rep.skip(self.name, self.stage, node, str(r))
+                rep.charge(_measuring_s() - before, since)
                 continue
             self.rewrite(graph, m, rep)
+            rep.charge(_measuring_s() - before, since)
             count += 1
         return count
+
+
+def _measuring_s() -> float:
+    """Seconds this process has spent measuring (tuning/measure.py): a match's share is the difference."""
+    from fusenorm_inductor.tuning import measure
+
+    return sum(measure.spent_seconds().values())
 
 
 def stage_patterns(stage: str) -> tuple[Pattern, ...]:

@@ -433,3 +433,21 @@ def test_gpt2_conv1d_projections_are_lazy_pre_norm_candidates_too():
     assert _rewrites(rep, "norm_linear_fwd"), [(r.pattern, r.detail) for r in rep.rewrites]
     with torch.no_grad():
         torch.testing.assert_close(out, m(a, x), rtol=1e-4, atol=1e-4)
+
+
+def test_report_gives_each_site_its_measuring_time(monkeypatch):
+    from fusenorm_inductor.patterns import deferred_norm as pattern
+    from fusenorm_inductor.tuning import measure
+
+    real = pattern.site_choice
+
+    def timed(site):  # stands in for a decision that measured for a quarter of a second
+        measure.add_spent("timing", 0.25)
+        return real(site)
+
+    monkeypatch.setattr(pattern, "site_choice", timed)
+    m = _params_normal(Tower(16, 32, layers=2))
+    _, rep = _compiled(m, torch.randn(5, 16))
+    (r,) = _rewrites(rep)
+    assert r.measure_s == pytest.approx(0.25) and "(measured in 0.25 s)" in rep.to_markdown()
+    assert all(x.measure_s == 0 for x in rep.rewrites if x.pattern != "deferred_norm")
