@@ -4,7 +4,8 @@ Gluon has no interpreter, so the CPU suite (and CI) compiles each specialization
 pick (``kernels/hopper/mm_norm.offline_variants``: ``candidates`` over a grid of N, K and save_normed, with
 the epilogue's heaviest and lightest flag sets, and the plain-epilogue GEMM base) with ``triton.compile`` for
 a CUDA target: API drift in a newer triton, register spills and shared-memory overflows fail here before any
-GPU sees them. Numerics are checked on the H200 (test_gluon_mm_norm.py).
+GPU sees them. Numerics are checked on the H200 (test_gluon_mm_norm.py). The other Gluon ops' offline modules
+(norm_mm, mm_norm_backward, gdpa, deferred_mm) list their variants the same way (kernels/hopper/offline.py).
 
 The compile runs in a subprocess without TRITON_INTERPRET (conftest sets it on CPU machines, and the
 interpreter replaces the jit functions the compiler needs).
@@ -50,6 +51,9 @@ def _label(v):
 
     if v.get("op") == "gdpa":
         return f"gdpa {v['kind']} D={v['d']} S={v['s']} act={v['act']} {v['dtype']} {v['config']}"
+    if v.get("op") == "deferred_mm":
+        return (f"deferred_mm {GemmConfig(*v['config']).label()} N={v['n']} K={v['k']} {v['flags']} "
+                f"out_tile={v['out_tile']}")
     base = " gemm-base" if v["gemm_only"] else ""
     op = v.get("op", "mm_norm")
     return f"{op} {GemmConfig(*v['config']).label()} N={v['n']} {v['flags']} save={v['save_normed']}{base}"
@@ -71,6 +75,14 @@ def test_every_path_is_compiled(compiled):
     assert {v["config"][0] for v in compiled if v.get("op") == "norm_mm"} == {"gl_coop", "gl_pp", "gl_rows"}
     backward = {(v["config"][0], v["flags"]) for v in compiled if v.get("op") == "mm_norm_backward"}
     assert {k for k, _ in backward} == {"gl_coop", "gl_pp", "gl_cluster"} and len(backward) == 12, backward
+    from fusenorm_inductor.kernels.hopper import deferred_mm
+
+    deferred = [v for v in compiled if v.get("op") == "deferred_mm"]
+    assert {v["config"][0] for v in deferred} == {"gl_coop", "gl_pp"}
+    assert {v["flags"] for v in deferred} == set(deferred_mm.OFFLINE_FLAGS)
+    # every statistics group width of the grid, and LayerNorm's groups that straddle N (NaN-padded bias)
+    assert {v["out_tile"] for v in deferred} == {0, *deferred_mm.OFFLINE_OUT_TILES}
+    assert any(v["flags"].startswith(("prod_ln", "chain_ln")) and v["n"] % v["out_tile"] for v in deferred)
 
 
 _KNOWN_BWD_SPILLS = {("ln_full", "gl_pp", 128, 128), ("ln_full", "gl_pp", 64, 256),
@@ -211,6 +223,30 @@ def test_rejects_what_this_path_cannot_take():
     assert "not on CUDA" in hopper.unsupported(a, b, None, None, None, None, None, False)
     assert hopper.cluster_shape(4096) == (8, 2) and hopper.cluster_shape(8192) == (8, 4)
     assert hopper.cluster_shape(3000) == (6, 2) and hopper.cluster_shape(4352) is None  # 17 tiles: no even split
+
+
+def test_deferred_mm_configs_split_their_statistics_tiles():
+    """``deferred_mm``'s candidates: tiles at most the next power of two of N wide (128 rows), each split
+    into whole statistics tiles of out_tile columns, or holding the whole row where one statistics tile
+    covers it; an out_tile no tile splits is refused with the reason."""
+    from fusenorm_inductor.kernels.hopper import deferred_mm as hopper
+
+    def cands(n, out_tile, k=256):
+        a = torch.empty((1000, k), device="meta", dtype=torch.bfloat16)
+        b = torch.empty((k, n), device="meta", dtype=torch.bfloat16)
+        return [(c.kind, c.block_n) for c in hopper.candidates(a, b, out_tile)]
+
+    assert cands(4096, 0) == [("gl_coop", 256), ("gl_pp", 128), ("gl_coop", 128)]
+    assert cands(4096, 256) == [("gl_coop", 256)] and cands(4096, 64) == cands(4096, 0)
+    assert cands(40, 0) == cands(40, 48) == cands(40, 64) == [("gl_pp", 64), ("gl_coop", 64)]
+    assert cands(200, 256) == [("gl_coop", 256)] and cands(1000, 96) == [] and cands(1000, 4) == []
+    assert hopper.out_group(256, 1000, hopper.LN, 32) == 32 and hopper.out_group(64, 40, hopper.RMS, 48) == 64
+    assert hopper.out_group(128, 4096, hopper.NONE, 96) == 0 and hopper.out_group(128, 200, hopper.LN, 256) is None
+    assert all(c.stages >= 2 for n in (40, 256, 4096) for k in (40, 1000) for c in
+               hopper.candidates(torch.empty((8, k), device="meta"), torch.empty((k, n), device="meta"), 0))
+    a = torch.empty((257, 40), dtype=torch.bfloat16)
+    b = torch.empty((64, 40), dtype=torch.bfloat16).t()
+    assert "not on CUDA" in hopper.unsupported(a, b, None, hopper.LN, 32)
 
 
 def test_backward_column_sums_fold_programs_and_clusters():

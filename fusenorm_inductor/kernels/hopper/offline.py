@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 
-from . import gdpa, mm_norm, mm_norm_backward, norm_mm
+from . import deferred_mm, gdpa, mm_norm, mm_norm_backward, norm_mm
 
-_OPS = {"mm_norm_backward": mm_norm_backward, "norm_mm": norm_mm, "gdpa": gdpa}  # else mm_norm
+_OPS = {"mm_norm_backward": mm_norm_backward, "norm_mm": norm_mm, "gdpa": gdpa, "deferred_mm": deferred_mm}  # else mm_norm
 
 
 def _compile_one(v: dict) -> dict:
@@ -32,7 +32,7 @@ def _triton_version() -> str:
 
 def main(argv=None) -> int:
     """``python -m fusenorm_inductor.kernels.hopper.offline [--jobs J]``: compile every variant the dispatch
-    can launch (``offline_variants`` of mm_norm, mm_norm_backward, norm_mm and gdpa) for sm_90a and print one JSON object per line. Must run
+    can launch (``offline_variants`` of mm_norm, mm_norm_backward, norm_mm, gdpa and deferred_mm) for sm_90a and print one JSON object per line. Must run
     without TRITON_INTERPRET (the interpreter replaces the jit functions the compiler needs)."""
     import argparse
     import json
@@ -40,12 +40,12 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--op", default=None, help="only this op's variants (mm_norm, mm_norm_backward, norm_mm, gdpa)")
+    p.add_argument("--op", default=None, help="only this op's variants (mm_norm, mm_norm_backward, norm_mm, gdpa, deferred_mm)")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the sm_90 compile needs the real compiler")
     variants = (mm_norm.offline_variants() + mm_norm_backward.offline_variants() + norm_mm.offline_variants()
-                + gdpa.offline_variants())
+                + gdpa.offline_variants() + deferred_mm.offline_variants())
     if args.op is not None:
         variants = [v for v in variants if v.get("op", "mm_norm") == args.op]
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:

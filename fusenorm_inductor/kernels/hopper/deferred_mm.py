@@ -1,0 +1,506 @@
+"""Deferred normalization on the Hopper GEMM core: one GEMM that applies the deferred norm of its input and
+writes the partial statistics of its output for the next one (``fusenorm::deferred_mm``).
+
+Semantics are ``applied``'s (ops/deferred_norm.py) on the folded operands (kernels/fold.py): b' = diag(norm
+weight) b in a's dtype, bias' (fp32 where a norm bias folds into it, else the linear's own bias) and colsum =
+the column sums of the rounded b' (LayerNorm). The core multiplies a @ b' (gemm_core.py, no ``STATS``: the
+input's statistics come as partials from its producer); the epilogue (``_deferred_epilogue``), per tile:
+1. merges the input's partial statistics ``a_stats`` [Q, M, T_in] of each row (tiles of ``a_tile`` columns of
+   a) into (mean, rstd) as ``merge_stats`` does (RMSNorm: the sum of squares; LayerNorm: Chan's merge of
+   the tiles' (mean, M2) weighted by their column counts) and applies them to the fp32 accumulator:
+       RMSNorm:   acc = rstd * acc
+       LayerNorm: acc = rstd * (acc - mean * colsum)
+   (the statistics are tiny and read from L2; every N tile of a row block merges them again rather than
+   share them: no tile waits for another);
+2. adds bias' and the residual (its TMA load was issued before the tile's mainloop, ``_deferred_prologue``,
+   through the tile's staging buffer, so the bytes land under the MMAs) and rounds once to a's dtype: c,
+   TMA-stored through the same staging buffer;
+3. writes the partial statistics of c *as stored* (the rounded values) in groups of ``OUT_G`` columns for
+   the next norm (``partial_stats``): RMSNorm the group's sum of squares, LayerNorm its mean over the valid
+   columns and the sum of squared deviations from it (columns >= N left out: two passes within the group,
+   exact at |mean| >> std). They are read back from the staging tile c was just stored through, a chunk
+   of at most 64 columns at a time (``_group_stats``): in registers, the tile's statistics next to the
+   norm's [BN] vectors spilled at 256-wide tiles. Where a group straddles N (LayerNorm), the launcher pads
+   the bias with NaN past N and the statistics leave those columns out by their value (``nan_pad``).
+``OUT_G`` is ``out_tile`` where it divides BN, or BN where the whole row is one tile and one statistics tile
+(out_tile >= N): then the single group is the row, masked to N, as ``partial_stats`` counts it.
+
+No row depends on another tile: any N, no clusters, the tile schedule of the core (cooperative or ping-pong
+consumers). Launcher: ``unsupported`` says why an input cannot take this path, ``candidates`` lists the
+configurations to time, ``DeferredPlan`` compiles one and launches it with the per-call fast path (launch.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from ..triton.common import num_sms
+from . import launch as L
+from ._compat import gl, gluon, mbarrier, smem_read_fence, thread_barrier, tma, tma_load
+from .common import (
+    LOAD_REGS,
+    MAX_TILE_N,
+    MMA_REGS,
+    b_layout,
+    descriptor,
+    fit_config,
+    operand_problem,
+    padded,
+    pow2_tile,
+    refuse_spills,
+    storage_problem,
+    tma_ok,
+)
+from .cpu_compile import compile_sm90, descriptor_type, runtime_attrs
+from .epilogues import consumer_warps, load_vector, stage_store, tile_index
+from .gemm_core import gemm_ws, mma_layout
+
+# The epilogue's FLAGS (gemm_core passes its switches as one integer): a bit per switch of deferred_mm_kernel,
+# the two norm codes (0 none, 1 RMSNorm, 2 LayerNorm) in two bits each, then the statistics group width
+# OUT_G. gl.constexpr: the kernels read them as globals.
+FLAG_HAS_BIAS = gl.constexpr(1)
+FLAG_HAS_RES = gl.constexpr(2)
+FLAG_A_SHIFT = gl.constexpr(2)  # a_norm: bits 2-3
+FLAG_OUT_SHIFT = gl.constexpr(4)  # out_norm: bits 4-5
+FLAG_NORM_MASK = gl.constexpr(3)
+# N is a multiple of OUT_G: no group straddles N. Else (LayerNorm's output statistics) the launcher pads the
+# bias with NaN past N, which the statistics mask by value (``_group_stats``).
+FLAG_EVEN_N = gl.constexpr(64)
+FLAG_G_SHIFT = gl.constexpr(7)
+
+NONE, RMS, LN = 0, 1, 2  # the norm codes of ops/deferred_norm.py
+# The narrowest statistics group: the narrowest wgmma-layout chunk the statistics read (8 columns).
+MIN_OUT_G = 8
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _deferred_prologue(off_m, off_n, c_bufs, buf0: gl.constexpr, epi_bar, eargs, FLAGS: gl.constexpr):
+    """Before the tile's mainloop: the residual tile into the staging buffer, once the previous tile's c has
+    left it, so its bytes land under the MMAs."""
+    if (FLAGS & FLAG_HAS_RES) != 0:
+        res_desc = eargs[1]
+        tma.store_wait(0)
+        mbarrier.expect(epi_bar, res_desc.block_type.nbytes)
+        tma_load(res_desc, [off_m, off_n], epi_bar, c_bufs.index(buf0))
+
+
+@gluon.jit
+def _pin(x):
+    """x, computed here: an opaque copy the compiler keeps in program order with the waits around it."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _wall(epi_bar, it, HAS_RES: gl.constexpr):
+    """A point the compiler moves no load across (an mbarrier wait). With a residual, the wait its TMA load
+    needs anyway (issued by ``_deferred_prologue``, one per tile: the phase is the tile count's parity);
+    without, a wait for the phase before phase 0, which a fresh mbarrier counts as completed (epi_bar then
+    completes no phase): it returns at once."""
+    if HAS_RES:
+        mbarrier.wait(epi_bar, it & 1)
+    else:
+        mbarrier.wait(epi_bar, 1)
+
+
+@gluon.jit
+def _input_norm(acc, cols, rows, rmask, colsum_ptr, a_stats_ptr, M, K, a_tile, eps, A_NORM: gl.constexpr):
+    """acc with the deferred norm of a's rows applied, from their partial statistics (``merge_stats``). The
+    per-row vectors live in the accumulator's row layout (a row's quad of lanes loads the same words)."""
+    kf = K.to(gl.float32)
+    t_in = gl.cdiv(K, a_tile)
+    base = a_stats_ptr + rows * t_in
+    zero = gl.zeros_like(rows.to(gl.float32))
+    if A_NORM == 1:
+        ss = zero
+        for t in range(t_in):
+            ss += gl.load(base + t, mask=rmask, other=0.0)
+        rstd = gl.rsqrt(ss / kf + eps)
+        acc = acc * gl.expand_dims(rstd, 1)
+    else:
+        # Chan's merge in merge_stats' order: the weighted mean first, then the tiles' M2 and the spread of
+        # their means around it (two passes over the tiny [T_in] partials rather than a pairwise running merge)
+        wsum = zero
+        for t in range(t_in):
+            w = gl.minimum(a_tile, K - t * a_tile).to(gl.float32)
+            wsum += gl.load(base + t, mask=rmask, other=0.0) * w
+        mean = wsum / kf
+        q = M * t_in  # LayerNorm's second statistic: M2 of each tile
+        m2 = zero
+        spread = zero
+        for t in range(t_in):
+            w = gl.minimum(a_tile, K - t * a_tile).to(gl.float32)
+            d = gl.load(base + t, mask=rmask, other=0.0) - mean
+            m2 += gl.load(base + q + t, mask=rmask, other=0.0)
+            spread += d * d * w
+        rstd = gl.rsqrt((m2 + spread) / kf + eps)
+        acc = (acc - gl.expand_dims(mean, 1) * load_vector(colsum_ptr, cols)) * gl.expand_dims(rstd, 1)
+    return acc
+
+
+@gluon.jit
+def _chunk_sum(buf, col, x_mean, FIRST: gl.constexpr, OUT_NORM: gl.constexpr, EVEN_N: gl.constexpr,
+               cl: gl.constexpr):
+    """Row sums over CH columns of c from the staging tile (from column ``col`` of the tile): RMSNorm's
+    squares; LayerNorm's values (FIRST) or squared deviations from ``x_mean``. Past N, c is NaN where a group
+    straddles N (not EVEN_N: the launcher's NaN-padded bias), which marks those columns by value: a mask from
+    column indices kept the indices live in registers across every tile (the compiler hoists them out of
+    the tile loop)."""
+    CH: gl.constexpr = cl.instr_shape[1]
+    x = buf.slice(col, CH, dim=1).load(cl).to(gl.float32)
+    if OUT_NORM == 1:
+        return gl.sum(x * x, axis=1)  # past N, c is 0 (zero-filled operands, zero-padded vectors)
+    elif FIRST:
+        if not EVEN_N:
+            x = gl.where(x == x, x, 0.0)
+        return gl.sum(x, axis=1)
+    else:
+        d = x - gl.expand_dims(x_mean, 1)
+        if not EVEN_N:
+            d = gl.where(d == d, d, 0.0)
+        return gl.sum(d * d, axis=1)
+
+
+@gluon.jit
+def _group_stats(buf, off_m, off_n, M, N, t_out, stats_ptr, G: gl.constexpr, OUT_NORM: gl.constexpr,
+                 EVEN_N: gl.constexpr, WARPS: gl.constexpr):
+    """Store the output statistics of the tile's groups of G columns, read back from the staging tile where c
+    was stored (the values as stored, a's dtype) in chunks of at most 64 columns: a few registers per chunk,
+    none of them live while the accumulator is (in registers, the whole tile's statistics next to the
+    norm's vectors spilled). LayerNorm reads each group twice: its mean, then the deviations from it."""
+    BM: gl.constexpr = buf.type.shape[0]
+    BN: gl.constexpr = buf.type.shape[1]
+    CH: gl.constexpr = G if G < 64 else 64
+    cl: gl.constexpr = mma_layout(BM, CH, WARPS)
+    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, cl))
+    rmask = rows < M
+    zero = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, cl))
+    for g in gl.static_range(BN // G):
+        c0 = off_n + g * G
+        t = c0 // G
+        ok = rmask & (t < t_out)  # a group wholly past N has no statistics tile
+        p = stats_ptr + rows * t_out + t
+        s = zero
+        for j in gl.static_range(G // CH):
+            s += _chunk_sum(buf, g * G + j * CH, zero, True, OUT_NORM, EVEN_N, cl)
+        if OUT_NORM == 1:
+            gl.store(p, s, mask=ok)
+        else:
+            mean = s / gl.minimum(N - c0, G).to(gl.float32)  # zeros past N add nothing: the valid columns'
+            # read the group again rather than keep it: the compiler merges the two passes' reads otherwise,
+            # and a 128-wide group live in registers spilled
+            smem_read_fence()
+            m2 = zero
+            for j in gl.static_range(G // CH):
+                m2 += _chunk_sum(buf, g * G + j * CH, mean, False, OUT_NORM, EVEN_N, cl)
+            gl.store(p, mean, mask=ok)
+            gl.store(p + M * t_out, m2, mask=ok)
+
+
+@gluon.jit
+def _deferred_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it, eargs,
+                       FLAGS: gl.constexpr, M, N, layout: gl.constexpr, stats):
+    c_desc = eargs[0]
+    bias_ptr = eargs[2]
+    colsum_ptr = eargs[3]
+    a_stats_ptr = eargs[4]
+    stats_ptr = eargs[5]
+    K = eargs[6]
+    a_tile = eargs[7]
+    t_out = eargs[8]
+    eps = eargs[9]
+    HAS_BIAS: gl.constexpr = (FLAGS & FLAG_HAS_BIAS) != 0
+    HAS_RES: gl.constexpr = (FLAGS & FLAG_HAS_RES) != 0
+    A_NORM: gl.constexpr = (FLAGS >> FLAG_A_SHIFT) & FLAG_NORM_MASK
+    OUT_NORM: gl.constexpr = (FLAGS >> FLAG_OUT_SHIFT) & FLAG_NORM_MASK
+    EVEN_N: gl.constexpr = (FLAGS & FLAG_EVEN_N) != 0
+    G: gl.constexpr = FLAGS >> FLAG_G_SHIFT
+    BM: gl.constexpr = c_bufs.type.shape[1]
+    BN: gl.constexpr = c_bufs.type.shape[2]
+    rows, cols, rmask, cmask = tile_index(off_m, off_n, M, N, BM, BN, layout)
+    h = acc
+    if A_NORM != 0:
+        h = _input_norm(h, cols, rows, rmask, colsum_ptr, a_stats_ptr, M, K, a_tile, eps, A_NORM)
+    buf = c_bufs.index(buf0)
+    if not HAS_RES:
+        tma.store_wait(0)  # the staging tile's previous store has left (with a residual the prologue waited)
+    # The compiler issues loads as early as it can and computes as late as it can: the bias's loads went up
+    # next to colsum's, or the norm's math down past them, and a 256-wide tile's accumulator with both [BN]
+    # vectors in registers spilled. So the norm is done (pinned) before a wait, and the bias loaded after it.
+    if A_NORM != 0:
+        h = _pin(h)
+    _wall(epi_bar, it, HAS_RES)
+    if HAS_BIAS:
+        h = h + load_vector(bias_ptr, cols)
+    if HAS_RES:
+        h = h + buf.load(layout).to(gl.float32)
+        thread_barrier()  # every thread has read the residual before any stages c into the buffer
+    # c as stored; the statistics are of these values (read back from the staging tile), so a consumer
+    # normalizes exactly what it reads
+    stage_store(h, c_desc, buf, off_m, off_n)
+    if OUT_NORM != 0:
+        _group_stats(buf, off_m, off_n, M, N, t_out, stats_ptr, G, OUT_NORM, EVEN_N, consumer_warps(layout))
+        thread_barrier()  # every thread has read the tile before the next tile's residual or c lands in it
+
+
+@gluon.jit
+def deferred_mm_kernel(a_desc, b_desc, c_desc, res_desc, bias_ptr, colsum_ptr, a_stats_ptr, stats_ptr, M, N, K,
+                       a_tile, t_out, eps,
+                       HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, A_NORM: gl.constexpr, OUT_NORM: gl.constexpr,
+                       OUT_G: gl.constexpr, EVEN_N: gl.constexpr, NUM_STAGES: gl.constexpr, NCONS: gl.constexpr,
+                       B_KN: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
+    eargs = (c_desc, res_desc, bias_ptr, colsum_ptr, a_stats_ptr, stats_ptr, K, a_tile, t_out, eps)
+    FLAGS: gl.constexpr = (HAS_BIAS * FLAG_HAS_BIAS + HAS_RES * FLAG_HAS_RES + (A_NORM << FLAG_A_SHIFT)
+                           + (OUT_NORM << FLAG_OUT_SHIFT) + EVEN_N * FLAG_EVEN_N + (OUT_G << FLAG_G_SHIFT))
+    gemm_ws(a_desc, b_desc, c_desc, M, N, K, _deferred_prologue, _deferred_epilogue, eargs, FLAGS, 0, 1, False,
+            NUM_STAGES, 1, 1, NCONS, B_KN, 1, LOAD_REGS, MMA_REGS, num_warps)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------------------
+
+
+def out_group(block_n: int, n: int, out_norm: int, out_tile: int) -> Optional[int]:
+    """The statistics group width of a tile of block_n columns (``OUT_G``; 0 without output statistics), or
+    None where the tile cannot produce out_tile-wide statistics: out_tile must divide the tile (a power of
+    two, at least ``MIN_OUT_G``), or cover the whole row where one tile holds it."""
+    if out_norm == NONE:
+        return 0
+    if n <= block_n and out_tile >= n:
+        return block_n  # one statistics tile, the row: the tile masked to N
+    if out_tile >= MIN_OUT_G and block_n % out_tile == 0:
+        return out_tile
+    return None
+
+
+def candidates(a: Tensor, b: Tensor, out_tile: int) -> list:
+    """Configurations worth timing, best guess first: the GEMM core's fastest plain ones (the epilogue is
+    light and no row spans tiles; mm_norm.plain_candidates), the tile at most the next power of two of N
+    wide. One staging tile per consumer, shared by the residual and c. ``out_tile`` (0: no output
+    statistics) keeps the configurations whose tiles it splits (``out_group``)."""
+    k = a.shape[1]
+    n = b.shape[1]
+    bk = 64 if k >= 64 else 32
+    if n > 128:
+        out = [fit_config("gl_coop", 128, MAX_TILE_N, bk, 4, 8, 1), fit_config("gl_pp", 128, 128, bk, 5, 4, 2),
+               fit_config("gl_coop", 128, 128, bk, 6, 4, 1)]
+    else:
+        bn = pow2_tile(n)
+        out = [fit_config("gl_pp", 128, bn, bk, 6, 4, 2), fit_config("gl_coop", 128, bn, bk, 6, 4, 1)]
+    norm = RMS if out_tile else NONE
+    return [c for c in out if c is not None and out_group(c.block_n, n, norm, out_tile) is not None]
+
+
+def unsupported(a: Tensor, b: Tensor, residual: Optional[Tensor], out_norm: int, out_tile: int) -> Optional[str]:
+    """Why ``deferred_mm_gluon`` cannot take a [M, K], b (or b') [K, N], the residual and these output
+    statistics (None when it can)."""
+    why = operand_problem(a, b, None)
+    if why is not None:
+        return why
+    m, n = a.shape[0], b.shape[1]
+    if residual is not None:
+        if residual.dtype != a.dtype or tuple(residual.shape) != (m, n) or residual.stride(1) != 1:
+            return "residual not [M, N] in the operands' dtype with unit column stride"
+        if not isinstance(residual, torch._subclasses.FakeTensor) and not tma_ok(residual):
+            return "residual's storage is not 16-byte aligned"
+    if out_norm != NONE and not candidates(a, b, out_tile):
+        return (f"out_tile={out_tile}: statistics tiles must be a power of two from {MIN_OUT_G} to "
+                f"{MAX_TILE_N} columns (or cover the row where N <= {MAX_TILE_N})")
+    return storage_problem(a, b)
+
+
+class Launch(NamedTuple):
+    ncons: int
+    num_warps: int
+    maxnreg: int
+
+
+def launch_shape(config) -> Launch:
+    ncons = 2 if config.kind == "gl_pp" else 1
+    warps = 4 if ncons == 2 else config.warps
+    return Launch(ncons, warps, L.maxnreg(L.padded_warps(1) + warps * ncons))
+
+
+def _constexprs(config, shape: Launch, n: int, b_kn: bool, *, bias: bool, residual: bool, a_norm: int,
+                out_norm: int, out_tile: int) -> dict:
+    g = out_group(config.block_n, n, out_norm, out_tile)
+    if g is None:
+        raise ValueError(f"{config.label()}: out_tile={out_tile} does not split its tiles (N={n})")
+    # EVEN_N only matters to LayerNorm's statistics: kept False elsewhere (one specialization fewer); where
+    # it is False there, the bias is the NaN-padded one (``nan_pad``), present even without a bias
+    even = out_norm == LN and n % g == 0
+    return dict(HAS_BIAS=bias or nan_pad(config, n, out_norm, out_tile), HAS_RES=residual, A_NORM=a_norm, OUT_NORM=out_norm, OUT_G=g, EVEN_N=even,
+                NUM_STAGES=config.stages, NCONS=shape.ncons, B_KN=b_kn, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS)
+
+
+_PARAMS = ("a_desc", "b_desc", "c_desc", "res_desc", "bias_ptr", "colsum_ptr", "a_stats_ptr", "stats_ptr", "M", "N",
+           "K", "a_tile", "t_out", "eps", "HAS_BIAS", "HAS_RES", "A_NORM", "OUT_NORM", "OUT_G", "EVEN_N",
+           "NUM_STAGES", "NCONS", "B_KN", "LOAD_REGS", "MMA_REGS", "num_warps")
+_N_RUNTIME = 14
+_N_DESC = 4
+
+
+def nan_pad(config, n: int, out_norm: int, out_tile: int) -> bool:
+    """Whether the bias vector the kernel reads is padded with NaN past N (else with zeros): LayerNorm's
+    output statistics where a group straddles N, which find its columns past N by their NaN."""
+    return out_norm == LN and n % out_group(config.block_n, n, out_norm, out_tile) != 0
+
+
+def _nan_padded(v: Tensor, bn: int) -> Tensor:
+    return torch.nn.functional.pad(v, (0, -v.shape[0] % bn), value=float("nan"))
+
+
+def _t_out(n: int, out_norm: int, out_tile: int) -> int:
+    """Statistics tiles per row (the stats' row stride); 1 without statistics (never read)."""
+    return -(-n // out_tile) if out_norm != NONE else 1
+
+
+class DeferredPlan:
+    """One launch configuration of ``deferred_mm_kernel`` for one argument signature: the compiled kernel, its
+    grid and compile-time arguments, and the fast launcher. Calling it launches on new tensors of the same
+    shapes, strides and dtypes (absent ones absent again). Raises ``common.SpillError`` when the
+    specialization spills (never launched)."""
+
+    def __init__(self, a, b_fold, bias_fold, colsum, residual, a_stats, a_eps, a_norm, a_tile, out_norm, out_tile,
+                 c, stats, config) -> None:
+        m, k = a.shape
+        n = b_fold.shape[1]
+        self.config, self.a_norm, self.out_norm = config, int(a_norm), int(out_norm)
+        self.a_tile = int(a_tile) if a_norm != NONE else 1
+        self.t_out = _t_out(n, out_norm, out_tile)
+        self.eps = float(a_eps) if a_norm != NONE else 0.0
+        self.shape = shape = launch_shape(config)
+        self.kn = b_layout(a, b_fold) == "kn"
+        bm, bn, bk = config.block_m, config.block_n, config.block_k
+        self.blocks = ([bm, bk], [bk, bn] if self.kn else [bn, bk], [bm, bn], [bm, bn])
+        consts = _constexprs(config, shape, n, self.kn, bias=bias_fold is not None, residual=residual is not None,
+                             a_norm=self.a_norm, out_norm=self.out_norm, out_tile=out_tile)
+        self.nan = nan_pad(config, n, self.out_norm, out_tile)
+        # without a bias, the NaN padding comes on zeros: made once (the plan's N is fixed)
+        self.nan_zeros = _nan_padded(torch.zeros(n, dtype=torch.float32, device=a.device), bn) if self.nan else None
+        self.consts = tuple(consts[p] for p in _PARAMS[_N_RUNTIME:-1])
+        args = self._runtime(a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, descriptors=True)
+        compiled = L.compiled_kernel(deferred_mm_kernel, args + self.consts, 1, num_warps=shape.num_warps,
+                                     maxnreg=shape.maxnreg)
+        refuse_spills(compiled, config.label())
+        self.compiled = compiled
+        self.fast = L.fast_launcher(compiled, _N_DESC, shape.num_warps, a.device)
+        self.grid = min(-(-m // bm) * -(-n // bn), num_sms(a.device))
+
+    def _runtime(self, a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, descriptors: bool) -> tuple:
+        m, k = a.shape
+        n = b_fold.shape[1]
+        bn = self.config.block_n
+        # absent tensors: c stands in (never read: the flags say so)
+        descs = (a, b_fold if self.kn else b_fold.t(), c, residual if residual is not None else c)
+        if descriptors:
+            descs = tuple(descriptor(t, blk) for t, blk in zip(descs, self.blocks))
+        if self.nan:
+            bias_fold = _nan_padded(bias_fold.contiguous(), bn) if bias_fold is not None else self.nan_zeros
+        else:
+            bias_fold = padded(bias_fold.contiguous(), bn) if bias_fold is not None else c
+        colsum = padded(colsum.contiguous(), bn) if self.a_norm == LN else c
+        a_stats = a_stats.contiguous() if self.a_norm != NONE else c
+        stats = stats if self.out_norm != NONE else c
+        return descs + (bias_fold, colsum, a_stats, stats, m, n, k, self.a_tile, self.t_out, self.eps)
+
+    def __call__(self, a, b_fold, bias_fold, colsum, residual, a_stats, c, stats) -> None:
+        if self.fast is not None:
+            args = self._runtime(a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, descriptors=False)
+            self.fast(self.grid, args[:_N_DESC], args[_N_DESC:] + self.consts)
+            return
+        args = self._runtime(a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, descriptors=True)
+        L.run(self.compiled, self.grid, args + self.consts, self.shape.num_warps)
+
+
+def deferred_mm_gluon(a, b_fold, bias_fold, colsum, residual, a_stats, a_eps, a_norm, a_tile, out_norm, out_tile, c,
+                      stats, config) -> DeferredPlan:
+    """Write (c, stats) of ``applied`` (ops/deferred_norm.py) with ``config`` (one of ``candidates``) on the
+    folded operands into the given buffers (c [M, N] in a's dtype, stats [Q, M, T_out] fp32, 0-size without
+    output statistics). Returns the plan, which launches the same again on new tensors of the same signature."""
+    plan = DeferredPlan(a, b_fold, bias_fold, colsum, residual, a_stats, a_eps, a_norm, a_tile, out_norm, out_tile,
+                        c, stats, config)
+    plan(a, b_fold, bias_fold, colsum, residual, a_stats, c, stats)
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Offline compile (CPU tests, CI)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def compile_offline(config, n: int, k: int, *, a_norm: int, out_norm: int, out_tile: int = 0, bias: bool,
+                    bias_fp32: bool = False, residual: bool, b_kn: bool = False, m: int = 1024, a_tile: int = 128):
+    """Compile the kernel ``deferred_mm_gluon`` would launch for this config and flags, for sm_90a, on the
+    CPU, with the launcher's argument types (absent tensors are c, bf16) and the JIT's specialization of these
+    sizes. ``bias_fp32``: bias' is fp32 where a norm bias folds into it, else the linear's own bias (bf16)."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    shape = launch_shape(config)
+    t_out = _t_out(n, out_norm, out_tile)
+    values = dict(a_desc=descriptor_type([bm, bk]), b_desc=descriptor_type([bk, bn] if b_kn else [bn, bk]),
+                  c_desc=descriptor_type([bm, bn]), res_desc=descriptor_type([bm, bn]),
+                  bias_ptr="*fp32" if (bias and bias_fp32) or (not bias and nan_pad(config, n, out_norm, out_tile))
+                  else "*bf16",
+                  colsum_ptr="*fp32" if a_norm == LN else "*bf16", a_stats_ptr="*fp32" if a_norm else "*bf16",
+                  stats_ptr="*fp32" if out_norm else "*bf16", M="i32", N="i32", K="i32", a_tile="i32",
+                  t_out="i32", eps="fp32")
+    constexprs = _constexprs(config, shape, n, b_kn, bias=bias, residual=residual, a_norm=a_norm,
+                             out_norm=out_norm, out_tile=out_tile)
+    constexprs["num_warps"] = shape.num_warps
+    signature = {p: values.get(p, "constexpr") for p in _PARAMS}
+    attrs = runtime_attrs(signature, dict(M=m, N=n, K=k, a_tile=a_tile if a_norm else 1, t_out=t_out))
+    return compile_sm90(deferred_mm_kernel, signature, constexprs, shape.num_warps, shape.maxnreg, attrs)
+
+
+OFFLINE_NS = (64, 256, 1000, 4096)  # one tile; two 128 / one 256 tiles; ragged; many tiles
+OFFLINE_KS = (40, 256, 1000)  # K = 40: BK 32
+OFFLINE_OUT_TILES = (32, 128, 256)
+# the chain's ends and middle: a producer (a plain GEMM writing statistics, with bias and residual), a consumer
+# (the norm applied, nothing written: bias' fp32 from a folded norm bias), a link (both), and the plain GEMM
+OFFLINE_FLAGS = {
+    "prod_rms": dict(a_norm=NONE, out_norm=RMS, bias=True, residual=True),
+    "prod_ln": dict(a_norm=NONE, out_norm=LN, bias=True, residual=True),
+    "cons_rms": dict(a_norm=RMS, out_norm=NONE, bias=True, residual=False),
+    "cons_ln": dict(a_norm=LN, out_norm=NONE, bias=True, bias_fp32=True, residual=True),
+    "chain_rms": dict(a_norm=RMS, out_norm=RMS, bias=False, residual=True),
+    "chain_ln": dict(a_norm=LN, out_norm=LN, bias=True, bias_fp32=True, residual=True),
+    "plain": dict(a_norm=NONE, out_norm=NONE, bias=True, residual=False),
+    # without a residual the epilogue's wall is another wait (``_wall``); without a bias, LayerNorm's output
+    # statistics still read the NaN-padded vector where a group straddles N
+    "cons_ln_nores": dict(a_norm=LN, out_norm=NONE, bias=True, bias_fp32=True, residual=False),
+    "chain_ln_bare": dict(a_norm=LN, out_norm=LN, bias=False, residual=False),
+}
+
+
+def offline_variants() -> list[dict]:
+    """Every distinct specialization ``candidates`` produces over a grid of N, K and out_tile, per flag set."""
+    seen = {}
+    for n in OFFLINE_NS:
+        for k in OFFLINE_KS:
+            a = torch.empty((1024, k), device="meta", dtype=torch.bfloat16)
+            b = torch.empty((k, n), device="meta", dtype=torch.bfloat16)
+            for name, flags in OFFLINE_FLAGS.items():
+                for out_tile in OFFLINE_OUT_TILES if flags["out_norm"] else (0,):
+                    for cfg in candidates(a, b, out_tile):
+                        shape = launch_shape(cfg)
+                        consts = _constexprs(cfg, shape, n, False, out_tile=out_tile,
+                                             **{f: v for f, v in flags.items() if f != "bias_fp32"})
+                        seen.setdefault((cfg, name, consts["OUT_G"], consts["EVEN_N"]),
+                                        dict(op="deferred_mm", config=list(cfg), n=n, k=k, flags=name,
+                                             out_tile=out_tile, save_normed=False, gemm_only=False, b_kn=False))
+    return list(seen.values())
+
+
+def compile_variant(v: dict):
+    from ..triton.common import GemmConfig
+
+    return compile_offline(GemmConfig(*v["config"]), v["n"], v["k"], out_tile=v["out_tile"], b_kn=v["b_kn"],
+                           **OFFLINE_FLAGS[v["flags"]])
