@@ -3,6 +3,8 @@ cache, validation, autograd) and the pattern's rewrites of each site form (tower
 block with fan-out, a norm read by a linear and a pointwise op, 3-D inputs), inference and training, against
 the unfused model. The Gluon kernel's numerics are tests/test_gluon_deferred_mm.py's (H200)."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -451,3 +453,28 @@ def test_report_gives_each_site_its_measuring_time(monkeypatch):
     (r,) = _rewrites(rep)
     assert r.measure_s == pytest.approx(0.25) and "(measured in 0.25 s)" in rep.to_markdown()
     assert all(x.measure_s == 0 for x in rep.rewrites if x.pattern != "deferred_norm")
+
+
+_CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("norm", ["ln", "rms"])
+@pytest.mark.parametrize("training", [False, True])
+def test_tower_on_cuda_deferred(norm, training):
+    """The tower on the GPU with deferral forced (measuring off: every site deferred), bf16, 3-D input with an
+    odd row count: the Gluon kernels on sm_90, else the op's torch path."""
+    torch.manual_seed(15)
+    m = _params_normal(Tower(64, 264, layers=4, norm=norm)).cuda().bfloat16()
+    x = torch.randn(3, 87, 64, device="cuda", dtype=torch.bfloat16, requires_grad=training)
+    out, rep = _compiled(m, x, training=training, **{"tuning.measure": False})
+    assert len(_rewrites(rep)) == 3
+    ref_m = copy.deepcopy(m).float()
+    xr = x.detach().float().requires_grad_(training)
+    ref = ref_m(xr)
+    torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
+    if training:
+        out.float().square().sum().backward()
+        ref.square().sum().backward()
+        for p, r in zip(m.parameters(), ref_m.parameters()):
+            torch.testing.assert_close(p.grad.float(), r.grad, rtol=5e-2, atol=5e-2 * r.grad.abs().max().item())
