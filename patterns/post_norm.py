@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.fx import Node
 
-from fusenorm_inductor import fx_utils
+from fusenorm_inductor import config, fx_utils
 from fusenorm_inductor.fx_utils import flat_like, val
 from fusenorm_inductor.tuning.decide import Choice
 from fusenorm_inductor.tuning.mm_norm import describe_mm_norm, forward_choice
@@ -38,6 +38,8 @@ NORM = torch.ops.fusenorm.norm.default
 MM_NORM = torch.ops.fusenorm.mm_norm.default
 CONVERT = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+# The widest N tile of the GEMM kernels (kernels/hopper/common.py): the whole-row epilogue's home ground.
+MAX_TILE_N = 256
 
 
 @dataclass
@@ -90,8 +92,22 @@ class LinearNormFwd(Pattern):
         self.check_dtypes(av, bv, val(x))
         if residual is not None:
             self.check_residual(val(residual), val(x))
+        self.check_not_deferred(norm, val(x), view)
         choice = self.check_speed(args, av, bv, biasv, residual, view.has_backward(norm))
         return PostNormMatch(norm, args, out, gemm.a, gemm.b, gemm.bias, residual, chain, backward, choice)
+
+    def check_not_deferred(self, norm: Node, xv: torch.Tensor, view: GraphView) -> None:
+        """On CUDA a row wider than one tile between linears goes to deferred normalization (next in the
+        order): the whole-row epilogue needs the row's statistics across tiles, which costs the GEMM its speed
+        on Hopper, where deferral's GEMMs keep their plain mainloop."""
+        n = xv.shape[-1]
+        if xv.device.type != "cuda" or n <= MAX_TILE_N or not config.patterns.deferred_norm:
+            return
+        m = xv.numel() // n
+        ys = getitem_users(norm).get(0, [])
+        if any(view.gemm_input(u, y, m, n) is not None for y in ys for u in y.users):
+            raise Reject(f"a row of {n} (wider than one {MAX_TILE_N}-column tile) between linears: left to "
+                         "deferred normalization (deferred_norm)")
 
     def check_speed(self, args, av: torch.Tensor, bv: torch.Tensor, biasv, residual, has_backward: bool) -> Choice:
         """Fused only where it was measured to beat cuBLAS + the norm on this shape (always on CPU)."""
