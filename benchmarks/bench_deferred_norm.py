@@ -55,8 +55,6 @@ import os
 import statistics
 import sys
 import time
-import types
-from collections import Counter
 from contextlib import nullcontext
 
 import torch
@@ -122,16 +120,6 @@ class Chain(nn.Module):
         return h if target is None else F.mse_loss(h, target)
 
 
-def own_code(model: nn.Module) -> nn.Module:
-    """``model`` with a forward of its own code object. Dynamo caches compiled frames per code object, and
-    another instance of the same class passes the guards of the first one's entry: without this, the A/A
-    model would run the first Inductor compile's code instead of being compiled independently."""
-    f = type(model).forward
-    model.forward = types.MethodType(
-        types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__), model)
-    return model
-
-
 def clear_grads(models, x) -> None:
     for m in models:
         m.zero_grad(set_to_none=True)
@@ -189,20 +177,6 @@ def row_key(r: dict) -> tuple:
     return (*point_key(r), r["timer"])
 
 
-def fused_patterns(reps: list) -> dict:
-    """What the fused compile's match reports say: the patterns that rewrote something (canonicalizations left
-    out), ``fused`` as "pattern xN, ..." or "none", why deferred_norm did not fire where it was looked at."""
-    rewrites = Counter(r.pattern for rep in reps for r in rep.rewrites if not r.pattern.startswith("canonical"))
-    skips = [s for rep in reps for s in rep.skips]
-    return {
-        "fused": ", ".join(f"{p} x{n}" for p, n in sorted(rewrites.items())) or "none",
-        "fusenorm_rewrites": dict(rewrites),
-        "deferred_reasons": sorted({s.reason[:300] for s in skips if s.pattern == PATTERN}),
-        "fusenorm_skips": [f"{s.pattern} at {s.node}: {s.reason}"[:300] for s in skips if s.pattern != PATTERN],
-        "fusenorm_errors": [e[:300] for rep in reps for e in rep.errors],
-    }
-
-
 def measure_point(p: dict, args, device: str) -> list[dict]:
     """The rows of one point (one per timer); an error is recorded in them and the grid goes on."""
     base = {**p, "M": args.rows, "dtype": str(args.dtype).replace("torch.", "")}
@@ -231,8 +205,8 @@ def _measure(p: dict, base: dict, args, device: str) -> list[dict]:
     r = torch.randn(m, n, device=device, dtype=dtype) if p["residual"] == "on" else None
     target = torch.randn(m, n, device=device, dtype=dtype) if mode == "train" else None
     g = torch.randn(m, n, device=device, dtype=dtype) if mode == "train" else None
-    # Three copies with the same weights, each compiled on its own (own_code).
-    models = {name: own_code(copy.deepcopy(proto)) for name in ("unfused", "fused", "unfused_aa")}
+    # Three copies with the same weights, each compiled on its own (common.own_code).
+    models = {name: common.own_code(copy.deepcopy(proto)) for name in ("unfused", "fused", "unfused_aa")}
     calls = {"gemms": gemm_call(proto, x, g, mode)}
     row = dict(base, first_call_s={})
     outs = {}
@@ -245,7 +219,8 @@ def _measure(p: dict, base: dict, args, device: str) -> list[dict]:
         common.sync()
         row["first_call_s"][name] = time.perf_counter() - t0
         if name == "fused":
-            row.update(fused_patterns([rep for rep in fusenorm_inductor.reports() if id(rep) not in seen]))
+            reps = [rep for rep in fusenorm_inductor.reports() if id(rep) not in seen]
+            row.update(common.fused_patterns(reps, PATTERN))
     rows2d = {name: o.reshape(1, 1) if o.dim() == 0 else o for name, o in outs.items()}  # train: the loss
     row["max_abs_diff"] = gn.max_abs_diff(rows2d["fused"], rows2d["unfused"])
     row["aa_max_abs_diff"] = gn.max_abs_diff(rows2d["unfused_aa"], rows2d["unfused"])

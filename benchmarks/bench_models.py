@@ -22,10 +22,20 @@ built without them), timed only: the floor. Per row
     share_recovered = (t_inductor - t_fusenorm) / (t_inductor - t_no_norm)
 Targets (issue 20): mlp share_recovered >= 0.6 in training and >= 0.8 in inference; the other models speedup >=
 1.00 (and, for the HF models, every norm site fused or reported with a reason); losses agree.
-Modes (``--modes``, default both): ``train`` rows (below) and ``infer`` rows (name + "_infer"): eval mode under
-no_grad, the four compiled models (fusenorm, Inductor, Inductor again for A/A, the floor) warmed up, then
+Modes (``--modes``, default both): ``train`` rows (below) and ``infer`` rows (name + "_infer", ``mode``:
+"infer"; rows without ``mode``, from older files, are training rows): eval mode, forwards under
+``torch.inference_mode()``, the four compiled models (fusenorm, Inductor, Inductor again for A/A, the floor; each
+model's forward its own code object, ``common.own_code``, so that each is an independent compile) warmed up, then
 ``--timed`` rounds of one forward each in rotating order; per backend the median forward time, a forward's peak
-memory and the first call's time; ``aa_noise`` = |1 - the A/A ratio|.
+memory (absolute: weights included) and the first call's time; ``aa_noise`` = |1 - the A/A ratio|.
+Timers (``--timers``, default both; ``timer`` in every row, "events" where a row of an older file has none):
+``events`` = plain calls between CUDA events (the rows above and below); ``graphs`` = every model compiled with
+``mode="reduce-overhead"`` (CUDA graphs, fusenorm and Inductor alike; name + "_graphs"), timed as the inference
+rows are, in training one step (forward, backward, AdamW) of each model per round. On the CPU the graphs rows
+run without graphs (Inductor skips them there): they check the calls only.
+Every row: ``fused`` (the patterns fusenorm's match reports list as rewritten, e.g. "deferred_norm x3", or
+"none"), ``deferred_reasons`` (why deferred_norm left a norm), ``measure_s`` (seconds fusenorm's tuner spent
+measuring during its first step, ``tuning.measure.spent_seconds``; by part in ``measure_parts_s``).
 Training, per model and backend: ``--steps`` (500) steps, step time = median of the last ``--timed`` (50) steps
 (CUDA events, no host sync inside the loop), peak memory of the training steps (``torch.cuda.max_memory_allocated``
 reset after the first step) and of the first step (compilation and fusenorm's tuner included), the first
@@ -42,15 +52,22 @@ fusenorm, Inductor and Inductor again trained side by side, one step each per ro
 Inductor is how far two correct bf16 runs drift apart, the yardstick for fusenorm vs Inductor. ``aa_noise`` of a
 training row: the spread of Inductor's three medians (both orders and the A/A run); with ``--no-reverse``,
 |1 - aa_paired|. Loss parity: one PNG per
-trained model beside the JSON (``<out>_loss_<name>.png``, both loss curves), and ``loss_max_rel_diff``.
+trained model beside the JSON (``<out>_loss_<name>.png``, the loss curves), and ``loss_max_rel_diff``. Loss
+curves against an A/A (``--loss-steps``, default 500, dry run 4; 0 skips them): fusenorm, Inductor and a second
+Inductor compile trained from the same seed on the same batches (the training runs' curves reused where they are
+as long): ``loss_curves``, ``loss_max_diff_fused`` = max |fusenorm - Inductor| and ``loss_max_diff_aa`` = max
+|Inductor - Inductor A/A| over the last tenth of the steps, ``loss_within_aa`` = the first <= the second.
 
-Run on the GPU machine (the default grid: ~8-10 minutes on one H200, most of it compiling; measured 2026-11-30
-without the reversed-order timings: 114 s (mlp) and 228 s (pffn, llama, bert) on two GPUs in parallel):
+Run on the GPU machine (the grid without the graphs rows and the A/A loss runs, ``--timers events --loss-steps
+0``: ~8-10 minutes on one H200, most of it compiling; measured 2026-11-30 without the reversed-order timings: 114 s
+(mlp) and 228 s (pffn, llama, bert) on two GPUs in parallel; the graphs rows add 8 compiles per model, the A/A loss
+run one more training run: not timed yet):
     python benchmarks/bench_models.py                          # -> benchmarks/results/models_h200.{json,png}
     python benchmarks/bench_models.py --models mlp --out /tmp/m1.json          # a part of the grid
     python benchmarks/bench_models.py --models pffn,llama,bert --out /tmp/m2.json
     python benchmarks/bench_models.py --merge /tmp/m1.json /tmp/m2.json --out benchmarks/results/models_h200.json
-    python benchmarks/bench_models.py --dry-run                # CPU, tiny shapes, every code path (~2 minutes)
+    python benchmarks/bench_models.py --dry-run                # CPU, tiny shapes, every code path (~1-2 minutes)
+    python benchmarks/bench_models.py --models mlp --timers graphs --modes infer --out /tmp/m3.json   # one kind
 On two GPUs, the two parts at once (each compiles on its own CPU cores), then --merge as above:
     CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_models.py --models mlp --out /tmp/m1.json &
     CUDA_VISIBLE_DEVICES=1 python benchmarks/bench_models.py --models pffn,llama,bert --out /tmp/m2.json & wait
@@ -63,6 +80,7 @@ measures only the missing ones.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -81,7 +99,7 @@ import train_hf  # noqa: E402
 import train_mlp  # noqa: E402
 import train_pffn  # noqa: E402
 
-from fusenorm_inductor.report import format_summary  # noqa: E402
+from fusenorm_inductor.report import format_summary, summarize  # noqa: E402
 
 DEFAULT_OUT = "benchmarks/results/models_h200.json"
 DRY_OUT = "/tmp/models_dry_run.json"
@@ -94,6 +112,7 @@ TARGETS = {  # training; inference rows: INFER_TARGETS
 }
 INFER_TARGETS = dict(TARGETS, mlp=("share_recovered", 0.8, TARGETS["mlp"][2]))
 MODES = ("train", "infer")
+TIMERS = ("events", "graphs")
 SIZES = {  # (default run, --dry-run)
     "mlp": (dict(rows=262144, depth=6, widths=[256, 512, 1024]), dict(rows=256, depth=2, widths=[32])),
     "pffn": (dict(batch=256, lmax=512, heads=2, dim=128, ctx=128, blocks=3),
@@ -115,7 +134,8 @@ def row_of(name: str, kind: str, config: dict, result: dict, dtype: torch.dtype)
     losses_fn, losses_ind = runs["fusenorm"]["losses"], runs["inductor"]["losses"]
     rel = [abs(a - b) / abs(b) for a, b in zip(losses_fn, losses_ind) if b != 0]
     return {
-        "name": name, "model": kind, "mode": "train", "config": config, "dtype": str(dtype).replace("torch.", ""),
+        "name": name, "model": kind, "mode": "train", "timer": "events", "config": config,
+        "dtype": str(dtype).replace("torch.", ""),
         "loss_max_rel_diff": max(rel) if rel else None,
         "steps": result["steps"], "timed": result["timed"],
         "t_fusenorm_ms": fn["median_ms"], "t_inductor_ms": ind["median_ms"], "speedup": result.get("speedup"),
@@ -126,7 +146,7 @@ def row_of(name: str, kind: str, config: dict, result: dict, dtype: torch.dtype)
         "loss": result["agreement"],
         "loss_noise_ref": result.get("noise_ref"),
         "t_eager_ms": runs["eager"]["median_ms"] if "eager" in runs else None,
-        "report": fn["report"],
+        "report": fn["report"], **fused_summary(fn["reports"]),
         "losses": {k: r["losses"] for k, r in runs.items()},
         "step_ms": {k: r["step_ms"] for k, r in runs.items()},
     }
@@ -158,11 +178,17 @@ def compare_row(name: str, kind: str, config: dict, make_model, batches, loss_fn
     the means over both orders (``retime_reversed``), and the same model without its norms compiled by
     Inductor and timed only (``make_no_norm``, default ``strip_norms`` of the model): norm_share,
     share_recovered."""
+    from fusenorm_inductor.tuning import measure
+
+    before = measure.spent_seconds()  # fusenorm measures at compile time only: its first step
     result = _common.compare(make_model, batches, loss_fn, steps=args.steps, lr=LR[kind], device=device,
                              dtype=dtype, timed=args.timed, backends=args.backends, log=log)
     row = row_of(name, kind, config, result, dtype)
+    parts = spent_since(before)
+    row.update(measure_s=sum(parts.values()), measure_parts_s=parts)
     retime_reversed(row, make_model, batches, loss_fn, LR[kind], args, device, dtype)
     paired_steps(row, make_model, batches, loss_fn, LR[kind], args, device, dtype)
+    loss_runs(row, make_model, batches, loss_fn, LR[kind], args, device, dtype)
     make_no_norm = make_no_norm or (lambda: strip_norms(make_model()))
     nn_run = timing_run(make_no_norm, "inductor", batches, loss_fn, LR[kind], args, device, dtype)
     log(f"   no norm: median step {nn_run['median_ms']:.3f} ms")
@@ -177,63 +203,119 @@ def compare_row(name: str, kind: str, config: dict, make_model, batches, loss_fn
     return row
 
 
-def infer_row(name: str, kind: str, config: dict, make_model, batches, forward, args, device: str,
-              dtype: torch.dtype, make_no_norm=None) -> dict:
-    """Inference (eval mode, no_grad): Inductor, fusenorm, Inductor again (A/A) and Inductor on the model without
-    its norms, each compiled and warmed up, then ``--timed`` rounds of one forward each in rotating order (as
-    ``paired_steps``): per backend the median forward time, the peak memory of a forward, the first call's
-    time (compilation included); speedup and the A/A ratio as medians of per-round ratios."""
+def row_name(name: str, mode: str, timer: str) -> str:
+    """A row's name: the model's, + "_infer" for inference, + "_graphs" for the CUDA-graph timer."""
+    return name + ("_infer" if mode == "infer" else "") + ("_graphs" if timer == "graphs" else "")
+
+
+def fused_summary(reports: list) -> dict:
+    """``fused`` ("deferred_norm x3, ...", or "none") and ``deferred_reasons`` of fusenorm's match reports."""
+    out = common.fused_patterns(reports)
+    return {"fused": out["fused"], "deferred_reasons": out["deferred_reasons"]}
+
+
+def spent_since(before: dict) -> dict:
+    """Seconds fusenorm's tuner spent measuring since ``before`` (``measure.spent_seconds()``), by part."""
+    from fusenorm_inductor.tuning import measure
+
+    after = measure.spent_seconds()
+    return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+
+
+def compile_for(model: nn.Module, backend: str, timer: str) -> nn.Module:
+    """``_common.compile_model`` (no Dynamo reset); for the ``graphs`` timer ``mode="reduce-overhead"`` (CUDA
+    graphs), which the fusenorm backend passes on to Inductor as Inductor's own backend takes it."""
     import fusenorm_inductor
 
-    make_no_norm = make_no_norm or (lambda: strip_norms(make_model()))
-    makers = {"fusenorm": make_model, "inductor": make_model, "inductor_aa": make_model, "no_norm": make_no_norm}
-    cuda = device == "cuda"
-    seen = {id(r) for r in fusenorm_inductor.reports()}
+    if timer != "graphs":
+        return _common.compile_model(model, backend, reset=False)
+    backend = fusenorm_inductor.fusenorm_backend if backend == "fusenorm" else backend  # installed or not
+    return torch.compile(model, backend=backend, dynamic=False, mode="reduce-overhead")
+
+
+def measure_rounds(makers: dict, step, batches, args, device: str, dtype: torch.dtype, mode: str = "train",
+                   timer: str = "events", lr: float = 1e-3) -> dict:
+    """Each of ``makers`` (name -> model builder; the backend is the name without "_aa", Inductor for
+    "no_norm") built under seed 0 with its own code object (``common.own_code``: an independent compile),
+    compiled (``compile_for``), its first call timed (compilation included; fusenorm's tuner's measuring in
+    ``measure_parts_s``), ``--extra-warmup`` untimed rounds (at least 2 with CUDA graphs: warm-up and
+    recording), one call's absolute peak memory each, then ``--timed`` rounds of one call each in rotating
+    order (``common.event_rounds``). A call: ``step(model, optimizer, batch)`` (no optimizer in inference),
+    under ``torch.inference_mode()`` for ``mode`` "infer"."""
+    import fusenorm_inductor
+    from fusenorm_inductor.tuning import measure
+
+    cuda, graphs = device == "cuda", timer == "graphs"
     torch._dynamo.reset()
-    models, first, peak = {}, {}, {}
-    with torch.no_grad(), _common.no_graph_caches():
-        for b, make in makers.items():
-            torch.manual_seed(0)
-            m = make().to(device=device, dtype=dtype).eval()
-            models[b] = _common.compile_model(m, "fusenorm" if b == "fusenorm" else "inductor", reset=False)
+    runs = {}
+    for b, make in makers.items():
+        torch.manual_seed(0)
+        model = common.own_code(make().to(device=device, dtype=dtype).train(mode == "train"))
+        backend = "inductor" if b == "no_norm" else b.removesuffix("_aa")
+        runs[b] = (compile_for(model, backend, timer),
+                   _common.make_optimizer(model, lr, device) if mode == "train" else None)
+
+    def call(b: str, i: int):
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        step(*runs[b], batches[i % len(batches)])
+
+    out = {"first_s": {}, "peak_mib": {}, "measure_parts_s": {}}
+    seen = {id(r) for r in fusenorm_inductor.reports()}
+    with (torch.inference_mode() if mode == "infer" else contextlib.nullcontext()), _common.no_graph_caches():
+        for b in makers:
+            before = measure.spent_seconds()
             t0 = time.perf_counter()
-            forward(models[b], batches[0])
-            if cuda:
-                torch.cuda.synchronize()
-            first[b] = time.perf_counter() - t0
-        for i in range(args.extra_warmup):
+            call(b, 0)
+            common.sync()
+            out["first_s"][b] = time.perf_counter() - t0
+            if b == "fusenorm":
+                out["measure_parts_s"] = spent_since(before)
+        for i in range(max(args.extra_warmup, 2 if graphs else 0)):
             for b in makers:
-                forward(models[b], batches[i % len(batches)])
+                call(b, i + 1)
         for b in makers:
             with common.PeakMemory(relative=False) as pm:  # the whole allocation at the peak: weights included
-                forward(models[b], batches[0])
-            if cuda:
-                peak[b] = pm.mib
-        walls = common.event_rounds(tuple(makers), lambda b, i: forward(models[b], batches[i % len(batches)]),
-                                    args.timed, cuda)
-    reports = [r for r in fusenorm_inductor.reports() if id(r) not in seen]
-    del models
+                call(b, 0)
+            out["peak_mib"][b] = pm.mib
+        out["walls"] = common.event_rounds(tuple(makers), call, args.timed, cuda)
+    out["reports"] = [r for r in fusenorm_inductor.reports() if id(r) not in seen]
+    runs.clear()
     torch._dynamo.reset()
     if cuda:
         torch.cuda.empty_cache()
+    return out
+
+
+def rounds_row(name: str, kind: str, config: dict, make_model, step, batches, args, device: str,
+               dtype: torch.dtype, mode: str, timer: str, make_no_norm=None) -> dict:
+    """Inference rows, and the training rows of the ``graphs`` timer: fusenorm, Inductor, Inductor again (A/A)
+    and Inductor on the model without its norms in rotating rounds (``measure_rounds``): per backend the median
+    time of a call, its peak memory, the first call's time; speedup and the A/A ratio as medians of per-round
+    ratios."""
+    make_no_norm = make_no_norm or (lambda: strip_norms(make_model()))
+    makers = {"fusenorm": make_model, "inductor": make_model, "inductor_aa": make_model, "no_norm": make_no_norm}
+    r = measure_rounds(makers, step, batches, args, device, dtype, mode, timer, LR[kind])
+    walls, first, peak = r["walls"], r["first_s"], r["peak_mib"]
     t = common.medians(walls)
     aa = common.ratio_median(walls, "inductor", "inductor_aa")
     t_fn, t_ind, t_nn = t["fusenorm"], t["inductor"], t["no_norm"]
     row = {
-        "name": f"{name}_infer", "model": kind, "mode": "infer", "config": config,
+        "name": row_name(name, mode, timer), "model": kind, "mode": mode, "timer": timer, "config": config,
         "dtype": str(dtype).replace("torch.", ""), "timed": args.timed,
         "t_fusenorm_ms": t_fn, "t_inductor_ms": t_ind, "t_inductor_aa_ms": t["inductor_aa"], "t_no_norm_ms": t_nn,
         "speedup": common.ratio_median(walls, "inductor", "fusenorm"),
         "aa_noise": abs(1.0 - aa), "aa_ratio": aa,
         "norm_share": (t_ind - t_nn) / t_ind if t_ind > 0 else None,
         "share_recovered": (t_ind - t_fn) / (t_ind - t_nn) if t_ind - t_nn > 0 else None,
-        "peak_fusenorm_mib": peak.get("fusenorm"), "peak_inductor_mib": peak.get("inductor"),
-        "peak_no_norm_mib": peak.get("no_norm"),
+        "peak_fusenorm_mib": peak["fusenorm"], "peak_inductor_mib": peak["inductor"],
+        "peak_no_norm_mib": peak["no_norm"],
         "first_step_fusenorm_s": first["fusenorm"], "first_step_inductor_s": first["inductor"],
-        "report": fusenorm_inductor.report.summarize(reports), "step_ms": walls,
+        "measure_s": sum(r["measure_parts_s"].values()), "measure_parts_s": r["measure_parts_s"],
+        "report": summarize(r["reports"]), **fused_summary(r["reports"]), "step_ms": walls,
     }
-    log(f"   inference: fusenorm {t_fn:.3f} ms, inductor {t_ind:.3f} ms (A/A {aa:.3f}), no norm {t_nn:.3f} ms; "
-        f"{row['report']['fused_sites']}/{row['report']['norm_sites']} norm sites fused")
+    log(f"   {mode}, {timer}: fusenorm {t_fn:.3f} ms, inductor {t_ind:.3f} ms (A/A {aa:.3f}), no norm {t_nn:.3f} "
+        f"ms; {row['report']['fused_sites']}/{row['report']['norm_sites']} norm sites fused ({row['fused']})")
     return row
 
 
@@ -242,41 +324,51 @@ PAIRED = ("fusenorm", "inductor", "inductor_aa")
 
 def paired_steps(row: dict, make_model, batches, loss_fn, lr: float, args, device: str, dtype: torch.dtype) -> None:
     """Step time measured in pairs: three copies of the model (fusenorm, Inductor, Inductor again for A/A),
-    each compiled and warmed up, then ``--timed`` rounds of one training step of each, in rotating order, so
-    clock and temperature drifts (which moved a backend's median by up to 30% between runs on the H200) hit
-    all three alike. ``speedup_paired`` is the median over the rounds of t_inductor / t_fusenorm of the same
-    round, ``aa_paired`` the same for Inductor against its own second copy: how far from 1 two identical
-    programs land. ``not_slower_paired``: speedup_paired is no further below 1 than the A/A ratio strays."""
+    each compiled (each its own code object) and warmed up, then ``--timed`` rounds of one training step of
+    each, in rotating order (``measure_rounds``), so clock and temperature drifts (which moved a backend's
+    median by up to 30% between runs on the H200) hit all three alike. ``speedup_paired`` is the median over
+    the rounds of t_inductor / t_fusenorm of the same round, ``aa_paired`` the same for Inductor against its own
+    second copy: how far from 1 two identical programs land. ``not_slower_paired``: speedup_paired is no further
+    below 1 than the A/A ratio strays. ``peak_paired_mib``: one step's absolute peak memory of each."""
     if args.no_paired:
         return
-    torch._dynamo.reset()
-    runs = {}
-    for backend in PAIRED:
-        torch.manual_seed(0)
-        model = make_model().to(device=device, dtype=dtype)
-        compiled = _common.compile_model(model, backend.removesuffix("_aa"), reset=False)
-        runs[backend] = (compiled, _common.make_optimizer(model, lr, device))
-
-    def step(backend: str, i: int):
-        _common.train_step(*runs[backend], batches[i % len(batches)], loss_fn)
-
-    with _common.no_graph_caches():
-        for i in range(1 + args.extra_warmup):
-            for backend in PAIRED:
-                step(backend, i)
-    cuda = device == "cuda"
-    walls = common.event_rounds(PAIRED, step, args.timed, cuda)
+    r = measure_rounds(dict.fromkeys(PAIRED, make_model), lambda m, opt, batch: _common.train_step(
+        m, opt, batch, loss_fn), batches, args, device, dtype, lr=lr)
+    walls = r["walls"]
     speed = common.ratio_median(walls, "inductor", "fusenorm")
     aa = common.ratio_median(walls, "inductor", "inductor_aa")
-    row.update(t_paired_ms=common.medians(walls), speedup_paired=speed,
+    row.update(t_paired_ms=common.medians(walls), speedup_paired=speed, peak_paired_mib=r["peak_mib"],
                aa_paired=aa, not_slower_paired=bool(speed >= min(aa, 1 / aa)))
     row["step_ms"].update({f"{b} (paired)": v for b, v in walls.items()})
-    del runs
-    torch._dynamo.reset()
-    if cuda:
-        torch.cuda.empty_cache()
     log(f"  paired steps: speedup {speed:.3f} (A/A {aa:.3f}), medians "
         + ", ".join(f"{b} {statistics.median(v):.3f} ms" for b, v in walls.items()))
+
+
+LOSS_RUNS = ("fusenorm", "inductor", "inductor_aa")
+
+
+def loss_runs(row: dict, make_model, batches, loss_fn, lr: float, args, device: str, dtype: torch.dtype) -> None:
+    """Loss curves against an A/A (``--loss-steps`` N; 0: none): fusenorm, Inductor and Inductor compiled once
+    more (after a Dynamo reset: an independent compile), each trained N steps from seed 0 on the same batches
+    (``_common.run_backend``; the training runs' own curves where they are N steps long). ``loss_max_diff_fused``
+    = max |fusenorm - Inductor|, ``loss_max_diff_aa`` = max |Inductor - Inductor A/A|, both over the last tenth
+    of the steps (``loss_tail_steps``); ``loss_within_aa``: the first is no larger than the second."""
+    n = args.loss_steps
+    if not n:
+        return
+    curves = {b: row["losses"][b] for b in LOSS_RUNS if len(row["losses"].get(b, ())) == n}
+    for b in LOSS_RUNS:
+        if b not in curves:
+            torch.manual_seed(0)
+            curves[b] = _common.run_backend(make_model(), b.removesuffix("_aa"), batches, loss_fn, n, lr, device,
+                                            dtype, 1)["losses"]
+    tail = max(1, n // 10)
+    fused, aa = (max(abs(x - y) for x, y in zip(curves[a][-tail:], curves[b][-tail:]))
+                 for a, b in (("fusenorm", "inductor"), ("inductor", "inductor_aa")))
+    row.update(loss_steps=n, loss_tail_steps=tail, loss_curves=curves, loss_max_diff_fused=fused,
+               loss_max_diff_aa=aa, loss_within_aa=bool(fused <= aa))
+    log(f"  losses over the last {tail} of {n} steps: max |fusenorm - inductor| {fused:.3g}, A/A {aa:.3g} "
+        f"({'within' if fused <= aa else 'BEYOND'} the A/A)")
 
 
 def retime_reversed(row: dict, make_model, batches, loss_fn, lr: float, args, device: str,
@@ -312,8 +404,7 @@ def retime_reversed(row: dict, make_model, batches, loss_fn, lr: float, args, de
             again[backend] = timing_run(make_model, backend.removesuffix("_aa"), batches, loss_fn, lr, args, device,
                                         dtype)
         if backend == "fusenorm":  # what its decisions' measurements cost the first step, by part
-            after = measure.spent_seconds()
-            spent = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+            spent = spent_since(before)
     for backend in ("inductor", "fusenorm"):
         first = row[f"t_{backend}_ms"]
         row[f"t_{backend}_orders_ms"] = {"fusenorm first": first, "inductor first": again[backend]["median_ms"]}
@@ -362,7 +453,7 @@ def judge(row: dict) -> None:
         rep = row["report"]
         met = met and rep["unaccounted_sites"] == 0 and not rep["errors"]
     met = met and (row["loss"]["agree"] if "loss" in row else True)
-    if row.get("mode") == "infer" and row.get("speedup") is not None:
+    if row.get("aa_ratio") is not None and row.get("speedup") is not None:  # rounds_row's rows
         row["not_slower"] = bool(row["speedup"] >= 1.0 - row["aa_noise"])
     row["target"] = {"metric": metric, "goal": goal, "value": value, "what": what, "met": bool(met)}
     # Issue 16: never slower than Inductor beyond the A/A noise, first step within 1.3x of Inductor's.
@@ -372,23 +463,46 @@ def judge(row: dict) -> None:
         row["first_step_ok"] = bool(row["first_step_ratio"] <= 1.3)
 
 
-def run_mlp(width: int, args, device: str, dtype: torch.dtype) -> dict:
-    s = args.sizes["mlp"]
-    batches = train_mlp.make_batches(s["rows"], width, args.batches, device, dtype)
-    config = {"rows": s["rows"], "width": width, "depth": s["depth"], "norm": "LayerNorm (affine)", "act": "none"}
-    make = lambda: train_mlp.MLP(width, width, s["depth"])  # noqa: E731
-    no_norm = lambda: train_mlp.MLP(width, width, s["depth"], norm="none")  # noqa: E731
+def model_rows(name: str, kind: str, config: dict, make_model, batches, loss_fn, forward, args, device: str,
+               dtype: torch.dtype, make_no_norm=None) -> list[dict]:
+    """One model's rows, per ``--timers`` and ``--modes``: training with the events timer is ``compare_row``,
+    every other row ``rounds_row`` (``forward(model, batch)``: the inference call). A row that fails is
+    recorded with its error and the others still run."""
+    steps = {"train": lambda m, opt, batch: _common.train_step(m, opt, batch, loss_fn),
+             "infer": lambda m, opt, batch: forward(m, batch)}
     rows = []
-    if "train" in args.modes:
-        rows.append(compare_row(f"mlp_d{width}", "mlp", config, make, batches, train_mlp.bce_loss, args, device,
-                                dtype, make_no_norm=no_norm))
-    if "infer" in args.modes:
-        rows.append(infer_row(f"mlp_d{width}", "mlp", config, make, batches, lambda m, b: m(b[0]), args, device,
-                              dtype, make_no_norm=no_norm))
+    for timer in args.timers:
+        for mode in args.modes:
+            try:
+                if (mode, timer) == ("train", "events"):
+                    rows.append(compare_row(name, kind, config, make_model, batches, loss_fn, args, device, dtype,
+                                            make_no_norm))
+                else:
+                    rows.append(rounds_row(name, kind, config, make_model, steps[mode], batches, args, device,
+                                           dtype, mode, timer, make_no_norm))
+            except Exception as e:  # noqa: BLE001 (one failing row is recorded, the others still run)
+                rows.append(error_row(row_name(name, mode, timer), kind, e))
+                torch._dynamo.reset()
     return rows
 
 
-def run_pffn(args, device: str, dtype: torch.dtype) -> dict:
+def error_row(name: str, kind: str, e: Exception) -> dict:
+    import traceback
+
+    traceback.print_exc()
+    return {"name": name, "model": kind, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+
+
+def run_mlp(width: int, args, device: str, dtype: torch.dtype) -> list[dict]:
+    s = args.sizes["mlp"]
+    batches = train_mlp.make_batches(s["rows"], width, args.batches, device, dtype)
+    config = {"rows": s["rows"], "width": width, "depth": s["depth"], "norm": "LayerNorm (affine)", "act": "none"}
+    return model_rows(f"mlp_d{width}", "mlp", config, lambda: train_mlp.MLP(width, width, s["depth"]), batches,
+                      train_mlp.bce_loss, lambda m, b: m(b[0]), args, device, dtype,
+                      make_no_norm=lambda: train_mlp.MLP(width, width, s["depth"], norm="none"))
+
+
+def run_pffn(args, device: str, dtype: torch.dtype) -> list[dict]:
     s = args.sizes["pffn"]
     hd = s["heads"] * s["dim"]
     batches = train_pffn.make_batches(s["batch"], s["lmax"], s["ctx"], hd, hd, args.batches, device, dtype)
@@ -397,13 +511,11 @@ def run_pffn(args, device: str, dtype: torch.dtype) -> dict:
     def make():
         return train_pffn.PFFNStack(hd, hd, s["heads"], s["dim"], s["blocks"])
 
-    rows = []
-    if "infer" in args.modes:
-        rows.append(infer_row("pffn", "pffn", config, make, batches, lambda m, b: m(*b[:3]), args, device, dtype))
-    if "train" not in args.modes:
+    rows = model_rows("pffn", "pffn", config, make, batches, train_pffn.mse_loss, lambda m, b: m(*b[:3]), args,
+                      device, dtype)
+    row = next((r for r in rows if r["name"] == "pffn" and "error" not in r), None)
+    if row is None:
         return rows
-    row = compare_row("pffn", "pffn", config, make, batches, train_pffn.mse_loss, args, device, dtype)
-    rows.insert(0, row)
     # The fused block in training (off by default: measured slower), timed once more, same seed and batches.
     from fusenorm_inductor import config as fn_config
 
@@ -419,17 +531,12 @@ def run_pffn(args, device: str, dtype: torch.dtype) -> dict:
     return rows
 
 
-def run_hf(kind: str, args, device: str, dtype: torch.dtype) -> dict:
+def run_hf(kind: str, args, device: str, dtype: torch.dtype) -> list[dict]:
     c = dict(args.sizes[kind])
     batches = train_hf.make_batches(kind, c, args.batches, device)
     config = dict(c, dropout="p = 0, zero-probability nn.Dropout modules replaced by identities", attn="sdpa")
-    make = lambda: train_hf.make_model(kind, c)  # noqa: E731
-    rows = []
-    if "train" in args.modes:
-        rows.append(compare_row(kind, kind, config, make, batches, train_hf.lm_loss, args, device, dtype))
-    if "infer" in args.modes:
-        rows.append(infer_row(kind, kind, config, make, batches, train_hf.logits, args, device, dtype))
-    return rows
+    return model_rows(kind, kind, config, lambda: train_hf.make_model(kind, c), batches, train_hf.lm_loss,
+                      train_hf.logits, args, device, dtype)
 
 
 def jobs(args) -> list[tuple[str, str, object]]:
@@ -459,19 +566,19 @@ def _f(x, spec: str, width: int = 0) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'model':>12} | {'fusenorm':>9} {'inductor':>9} {'no norm':>9} ms | {'speedup':>7} {'share':>6} "
+    print(f"\n{'model':>22} | {'fusenorm':>9} {'inductor':>9} {'no norm':>9} ms | {'speedup':>7} {'share':>6} "
           f"{'recov':>6} | {'peak MiB fn/ind':>15} | {'loss max|d|':>11} {'final rel':>9} {'eager|d|':>9} | "
           f"{'sites':>9} | target")
     for r in rows:
         if "error" in r:
-            print(f"{r['name']:>12} | ERROR {r['error']}")
+            print(f"{r['name']:>22} | ERROR {r['error']}")
             continue
         rep, t = r["report"], r.get("target", {})
         sites = f"{rep['fused_sites']}/{rep['norm_sites']}" + (f" ({rep['unaccounted_sites']} UNACCOUNTED)"
                                                               if rep["unaccounted_sites"] else "")
         peak = f"{_f(r['peak_fusenorm_mib'], '.0f')}/{_f(r['peak_inductor_mib'], '.0f')}"
         loss = r.get("loss") or {}
-        print(f"{r['name']:>12} | {_f(r['t_fusenorm_ms'], '.3f', 9)} {_f(r['t_inductor_ms'], '.3f', 9)} "
+        print(f"{r['name']:>22} | {_f(r['t_fusenorm_ms'], '.3f', 9)} {_f(r['t_inductor_ms'], '.3f', 9)} "
               f"{_f(r.get('t_no_norm_ms'), '.3f', 9)}    | {_f(r['speedup'], '.3f', 7)} "
               f"{_f(r.get('norm_share'), '.0%', 6)} {_f(r.get('share_recovered'), '.0%', 6)} | {peak:>15} | "
               f"{_f(loss.get('max_abs_diff'), '.3g', 11)} {_f(loss.get('final_rel_diff'), '.2g', 9)} "
@@ -485,12 +592,19 @@ def print_table(rows: list[dict]) -> None:
                   f"{_f(r.get('first_step_ratio'), '.2f')}x Inductor's with warm kernel caches "
                   f"({'ok' if r.get('first_step_ok') else 'over 1.3x'}), {_f(r.get('first_step_ratio_cold'), '.2f')}x "
                   f"in the training runs (fusenorm first)")
-        if r.get("mode") == "infer" and r.get("aa_ratio") is not None:
+        if r.get("aa_ratio") is not None:
             print(f"{r['name']}: speedup {_f(r['speedup'], '.3f')} against A/A {r['aa_ratio']:.3f} "
                   f"({'not slower' if r.get('not_slower') else 'SLOWER'} than Inductor beyond its A/A)")
         if r.get("speedup_paired") is not None:
             print(f"{r['name']}: paired steps speedup {r['speedup_paired']:.3f} against A/A {r['aa_paired']:.3f} "
                   f"({'not slower' if r.get('not_slower_paired') else 'SLOWER'} than Inductor beyond its A/A)")
+        if r.get("loss_within_aa") is not None:
+            print(f"{r['name']}: losses over the last {r['loss_tail_steps']} of {r['loss_steps']} steps: max "
+                  f"|fusenorm - inductor| {r['loss_max_diff_fused']:.3g}, A/A {r['loss_max_diff_aa']:.3g} "
+                  f"({'within' if r['loss_within_aa'] else 'BEYOND'} the A/A)")
+        if r.get("fused") is not None:
+            print(f"{r['name']}: fused {r['fused']}; first step fusenorm {_f(r.get('first_step_fusenorm_s'), '.1f')} "
+                  f"s (measuring {_f(r.get('measure_s'), '.1f')} s), inductor {_f(r.get('first_step_inductor_s'), '.1f')} s")
     for r in rows:
         if r.get("t_fusenorm_fused_ms"):
             print(f"{r['name']}: fusenorm with the block fused in training (patterns.attention_block_dense and "
@@ -525,8 +639,8 @@ def plot(data: dict, path: str) -> None:
 
 
 def plot_losses(data: dict, out: str) -> None:
-    """One PNG per trained model beside ``out``: fusenorm's and Inductor's loss curves from the same seed, and
-    their largest relative difference."""
+    """One PNG per trained model beside ``out``: fusenorm's and Inductor's loss curves from the same seed (and
+    the A/A Inductor run's, ``loss_curves``, where the row has them), and their largest relative difference."""
     plt = common.pyplot()
     if plt is None:
         return
@@ -535,9 +649,10 @@ def plot_losses(data: dict, out: str) -> None:
         if "losses" not in r:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.2))
-        for k, style in (("inductor", "-"), ("fusenorm", "--"), ("eager", ":")):
-            if k in r["losses"]:
-                ax.plot(r["losses"][k], style, lw=1, label=k)
+        curves = {**r["losses"], **(r.get("loss_curves") or {})}
+        for k, style in (("inductor", "-"), ("fusenorm", "--"), ("eager", ":"), ("inductor_aa", "-.")):
+            if k in curves:
+                ax.plot(curves[k], style, lw=1, label=k)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.set_title(f"{r['name']}: max relative loss difference {_f(r.get('loss_max_rel_diff'), '.2g')}", fontsize=9)
@@ -554,11 +669,16 @@ def meta_block(args, device: str, tuning: dict) -> dict:
         "transformers": _transformers_version(), "date": env["date"], "commit": env["commit"],
         "device": device, "dtype": str(args.dtype).replace("torch.", ""),
         "steps": args.steps, "timed": args.timed, "timing_only_steps": 1 + args.extra_warmup + args.timed,
+        "modes": args.modes, "timers": args.timers, "loss_steps": args.loss_steps,
         "batches": args.batches, "dry_run": args.dry_run, "backends": list(args.backends), "lr": LR,
         "optimizer": "AdamW (fused on CUDA)",
         "timer": ("CUDA events around each step, no host sync inside the loop; median of the last `timed` steps"
                   if device == "cuda" else "wall clock, CPU (dry run: meaningless)"),
-        "compile": "torch.compile(model, backend=..., dynamic=False); Inductor FX graph / AOTAutograd caches off",
+        "timers_how": {"events": "plain calls, CUDA events around each (the rows' timer 'events')",
+                   "graphs": "compiled with mode='reduce-overhead' (CUDA graphs; none on the CPU), CUDA events "
+                             "around each call, rotating rounds (rows '<name>_graphs')"},
+        "compile": "torch.compile(model, backend=..., dynamic=False); Inductor FX graph / AOTAutograd caches off; "
+                   "in rotating rounds each model its own code object (an independent compile)",
         "fusenorm_tuning": tuning,
         "targets": {k: {"metric": m, "goal": g, "what": w} for k, (m, g, w) in TARGETS.items()},
         "loss_tol": {str(k).replace("torch.", ""): v for k, v in _common.LOSS_TOL.items()},
@@ -570,6 +690,11 @@ def meta_block(args, device: str, tuning: dict) -> dict:
             "loss.final_rel_diff": "|final loss difference| / |final inductor loss|",
             "loss.tail_rel_diff": "relative difference of the mean losses over the last tail_steps steps",
             "report": "fusenorm's match report summary: norm sites fused (by pattern) / unfused (reasons)",
+            "fused": "non-canonical patterns in fusenorm's match reports, 'pattern xN, ...' or 'none'",
+            "measure_s": "seconds fusenorm's tuner measured during its first step (tuning.measure.spent_seconds)",
+            "loss_max_diff_fused": "max |loss_fusenorm - loss_inductor| over the last tenth of loss_steps steps",
+            "loss_max_diff_aa": "max |loss_inductor - loss_inductor_aa| (a second compile) over the same steps",
+            "loss_within_aa": "loss_max_diff_fused <= loss_max_diff_aa",
         },
     }
 
@@ -595,6 +720,10 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=None, help="training steps per backend (default 500; dry run 4)")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of train (forward + backward + AdamW) "
                    "and infer (eval mode, no_grad forward)")
+    p.add_argument("--timers", default="events,graphs", help="comma list of events (plain calls) and graphs "
+                   "(mode='reduce-overhead': CUDA graphs, rows <name>_graphs)")
+    p.add_argument("--loss-steps", type=int, default=None, help="loss curves of fusenorm, Inductor and Inductor "
+                   "A/A over this many steps (default 500; dry run 4; 0: none)")
     p.add_argument("--timed", type=int, default=None, help="median over the last TIMED steps (default 50; dry 2)")
     p.add_argument("--extra-warmup", type=int, default=None,
                    help="untimed steps after the first of the timing-only runs (the reversed-order timings, "
@@ -625,10 +754,10 @@ def parse_args(argv=None):
     bad = [m for m in a.models if m not in ALL_MODELS]
     if bad:
         p.error(f"--models: {bad} not in {ALL_MODELS}")
-    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if not a.modes or set(a.modes) - set(MODES):
-        p.error(f"--modes: {a.modes} not a non-empty subset of {MODES}")
+    a.modes = common.choices(p, "--modes", a.modes, MODES)
+    a.timers = common.choices(p, "--timers", a.timers, TIMERS)
     a.steps = a.steps or (4 if dry else 500)
+    a.loss_steps = a.loss_steps if a.loss_steps is not None else (4 if dry else 500)
     a.timed = a.timed or (2 if dry else 50)
     a.timed = min(a.timed, a.steps - 1) if a.steps > 1 else 1
     a.extra_warmup = a.extra_warmup if a.extra_warmup is not None else (1 if dry else 10)
@@ -678,7 +807,7 @@ def main(argv=None) -> dict:
     t_start = time.time()
     have_hf = train_hf.have_transformers()
     for name, kind, fn in jobs(args):
-        expected = [name] * ("train" in args.modes) + [f"{name}_infer"] * ("infer" in args.modes)
+        expected = [row_name(name, mode, timer) for timer in args.timers for mode in args.modes]
         if all(n in done for n in expected):
             continue
         if kind in train_hf.MODELS and not have_hf:
@@ -690,12 +819,10 @@ def main(argv=None) -> dict:
         try:
             new_rows = fn(args, device, args.dtype)
             for row in new_rows:
-                judge(row)
+                if "error" not in row:
+                    judge(row)
         except Exception as e:  # noqa: BLE001 (one failing model is recorded, the others still run)
-            import traceback
-
-            traceback.print_exc()
-            new_rows = [{"name": name, "model": kind, "error": f"{type(e).__name__}: {str(e)[:500]}"}]
+            new_rows = [error_row(name, kind, e)]
         finally:
             torch._dynamo.reset()
             if device == "cuda":

@@ -19,7 +19,9 @@ cannot be captured, and measures a call's peak memory. Rounds: ``alternating`` t
 round after round (optionally rotating the order each round), with a synchronous timer; ``event_rounds`` does the
 same with CUDA events around single calls and one sync at the end. ``medians``, ``ratio_median`` (the median of
 per-round ratios) and ``spread`` (max / min - 1, the A/A noise of repeated runs of the same code) summarize them.
-Peak memory: ``peak_mib(fn)`` for one call, ``PeakMemory`` around a block. ``environment()`` is the meta block's
+Peak memory: ``peak_mib(fn)`` for one call, ``PeakMemory`` around a block. Compiled models: ``own_code`` gives a
+model's forward its own code object (an independent compile beside another instance of its class),
+``fused_patterns`` reads fusenorm's match reports ("deferred_norm x3"). ``environment()`` is the meta block's
 stamp (GPU, torch, triton, python, date, commit). ``write_json`` writes atomically, ``pyplot()`` imports matplotlib
 lazily (None and a note where it is missing), ``merge`` joins the rows of partial runs.
 """
@@ -35,6 +37,8 @@ import platform
 import statistics
 import subprocess
 import time
+import types
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import torch
@@ -277,6 +281,37 @@ def spread(values: Iterable[float]) -> float | None:
     """max / min - 1 of repeated measurements of the same code (the A/A noise); None when one is not positive."""
     values = list(values)
     return max(values) / min(values) - 1.0 if values and min(values) > 0 else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Compiled models: independent compiles, what fusenorm fused
+# ----------------------------------------------------------------------------------------------------------
+
+
+def own_code(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with a forward of its own code object. Dynamo caches compiled frames per code object, and
+    another instance of the same class passes the guards of the first one's entry: without this, an A/A
+    model would run the first Inductor compile's code instead of being compiled independently."""
+    f = type(model).forward
+    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    g.__kwdefaults__ = f.__kwdefaults__  # keyword-only defaults (the HF models' forwards have them)
+    model.forward = types.MethodType(g, model)
+    return model
+
+
+def fused_patterns(reps: list, pattern: str = "deferred_norm") -> dict:
+    """What a fusenorm compile's match reports say: the patterns that rewrote something (canonicalizations left
+    out), ``fused`` as "pattern xN, ..." or "none", why ``pattern`` did not fire where it was looked at
+    (``deferred_reasons``), the other patterns' skips and the errors."""
+    rewrites = Counter(r.pattern for rep in reps for r in rep.rewrites if not r.pattern.startswith("canonical"))
+    skips = [s for rep in reps for s in rep.skips]
+    return {
+        "fused": ", ".join(f"{p} x{n}" for p, n in sorted(rewrites.items())) or "none",
+        "fusenorm_rewrites": dict(rewrites),
+        "deferred_reasons": sorted({s.reason[:300] for s in skips if s.pattern == pattern}),
+        "fusenorm_skips": [f"{s.pattern} at {s.node}: {s.reason}"[:300] for s in skips if s.pattern != pattern],
+        "fusenorm_errors": [e[:300] for rep in reps for e in rep.errors],
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------
