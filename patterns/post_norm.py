@@ -17,6 +17,7 @@ torch-level graph), whether this fusion would take a canonical norm (prospects.p
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -93,6 +94,7 @@ class LinearNormFwd(Pattern):
         if residual is not None:
             self.check_residual(val(residual), val(x))
         self.check_not_deferred(norm, val(x), view)
+        self.check_input_not_deferred(gemm, val(x), view)
         choice = self.check_speed(args, av, bv, biasv, residual, view.has_backward(norm))
         return PostNormMatch(norm, args, out, gemm.a, gemm.b, gemm.bias, residual, chain, backward, choice)
 
@@ -108,6 +110,19 @@ class LinearNormFwd(Pattern):
         if any(view.gemm_input(u, y, m, n) is not None for y in ys for u in y.users):
             raise Reject(f"a row of {n} (wider than one {MAX_TILE_N}-column tile) between linears: left to "
                          "deferred normalization (deferred_norm)")
+
+    def check_input_not_deferred(self, gemm, xv: torch.Tensor, view: GraphView) -> None:
+        """On CUDA a linear that reads a norm of a row wider than one tile is that norm's consumer under
+        deferral (which applies it in this linear's epilogue): fusing this linear with the norm after it would
+        leave the norm before it unfused."""
+        if xv.device.type != "cuda" or not config.patterns.deferred_norm:
+            return
+        src = through_identities(view, gemm.a)
+        if is_op(src, operator.getitem) and src.args[1] == 0 and is_op(src.args[0], NORM):
+            width = val(src).shape[-1]
+            if fx_utils.as_int(width) is not None and fx_utils.as_int(width) > MAX_TILE_N:
+                raise Reject(f"the linear reads a norm of a row of {width} (wider than one tile): it is that "
+                             "norm's consumer under deferred normalization (deferred_norm)")
 
     def check_speed(self, args, av: torch.Tensor, bv: torch.Tensor, biasv, residual, has_backward: bool) -> Choice:
         """Fused only where it was measured to beat cuBLAS + the norm on this shape (always on CPU)."""

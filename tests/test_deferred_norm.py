@@ -507,3 +507,31 @@ def test_wide_rows_between_linears_go_to_deferral_on_cuda():
             assert not declined, (n, device)
         except Reject as r:
             assert declined and "deferred normalization" in str(r), (n, device, r)
+
+
+def test_linear_after_a_wide_norm_is_left_to_deferral_on_cuda():
+    """Post-norm does not take the linear that consumes a wide norm under deferral (on CUDA)."""
+    import operator
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fusenorm_inductor.patterns.base import Reject
+    from fusenorm_inductor.patterns.post_norm import LinearNormFwd
+    from fusenorm_inductor.patterns.views import Gemm, TorchView
+
+    for n, device, declined in ((512, "cuda", True), (256, "cuda", False), (512, "cpu", False)):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            xv = torch.empty(64, n, device=device, dtype=torch.bfloat16)
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        x.meta["val"] = xv
+        norm = graph.call_function(torch.ops.fusenorm.norm.default, (x, None, None, 1e-5, False))
+        y = graph.call_function(operator.getitem, (norm, 0))
+        y.meta["val"] = xv
+        w = graph.placeholder("w")
+        lin = graph.call_function(F.linear, (y, w))
+        try:
+            LinearNormFwd().check_input_not_deferred(Gemm(lin, y, w, None), xv, TorchView(training=False))
+            assert not declined, (n, device)
+        except Reject as r:
+            assert declined and "consumer under deferred normalization" in str(r), (n, device, r)
