@@ -535,3 +535,50 @@ def test_linear_after_a_wide_norm_is_left_to_deferral_on_cuda():
             assert not declined, (n, device)
         except Reject as r:
             assert declined and "consumer under deferred normalization" in str(r), (n, device, r)
+
+
+def test_site_measurement_plumbing(monkeypatch):
+    """The per-site measurement with the timer and the kernels replaced (they need an sm_90 GPU): every GEMM of
+    the site is timed over its candidates, each GEMM's best is stored under the key its launches read, and the
+    site's entry sums them against the unfused estimate (cuBLAS GEMMs + the norm's passes)."""
+    from fusenorm_inductor.kernels import deferred as kd
+    from fusenorm_inductor.kernels.triton.common import GemmConfig
+    from fusenorm_inductor.tuning import baseline, deferred_norm as tuning, measure
+
+    cands = [GemmConfig("gl_coop", 128, 256, 64, 4, 8), GemmConfig("gl_pp", 128, 128, 64, 5, 4)]
+    launched = []
+
+    def fake_time(fn, give_up_ms=None):
+        fn()
+        return 1.0 if not launched or launched[-1] is cands[0] else 2.0
+
+    def fake_launch(args, config, alloc, plan_out=None):
+        from fusenorm_inductor.ops.deferred_norm import deferred_mm_reference
+
+        launched.append(config)
+        return deferred_mm_reference(*args)
+
+    stored = []
+    monkeypatch.setattr(measure, "store", lambda key, entry, bucket=False: stored.append((key, entry)))
+
+    monkeypatch.setattr(measure, "time_ms", fake_time)
+    monkeypatch.setattr(measure, "gemm_ms", lambda a, b, bias: 1.0)
+    monkeypatch.setattr(measure, "norm_proxy_ms", lambda *a: 0.5)
+    monkeypatch.setattr(baseline, "enabled", lambda device: False)
+    monkeypatch.setattr(tuning, "deferred_candidates", lambda a, b, out_tile: cands)
+    monkeypatch.setattr(kd, "launch", fake_launch)
+    measure.clear_memory()
+    a, wp, res = torch.randn(300, 48), torch.randn(48, 40), torch.randn(300, 40)
+    x = torch.randn(300, 40)
+    consumers = [(torch.randn(40, 24), torch.randn(24)), (torch.randn(40, 16), None)]
+    producer = (a, wp, None, res, None, None, None, 0.0, 0, 0)
+    site = tuning.Site(x, producer, consumers, torch.randn(40), torch.randn(40), 1e-5, LN, wgrads=2, cache=False)
+    entry = tuning._measure_site(site)
+    assert len(launched) == 2 * 3  # both candidates of the producer and of each consumer
+    assert entry["t_fused_ms"] == pytest.approx(3 * 1.0 + 0.5)  # three GEMMs at their best + the rebuild
+    assert entry["t_unfused_ms"] == pytest.approx(3 * 1.0 + 0.5) and entry["unfused_by"] == "estimate"
+    assert len(entry["candidates"]) == 6
+    # each GEMM's best under the key its launches read (the op's CUDA path asks deferred_config with it)
+    assert [k[0] for k, _ in stored] == ["deferred_mm"] * 3
+    assert all(e["config"] == list(cands[0]) for _, e in stored)
+    assert stored[0][0] == tuning.deferred_key(a, wp, None, res, None, None, None, 0, LN, tuning.stats_tile(40))
