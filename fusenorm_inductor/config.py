@@ -73,6 +73,12 @@ debug_dir = Config(default=_env_str("FUSENORM_DEBUG_DIR"), value_type=str)
 # matches the canonical op, so turning this off turns all of them off.
 canonicalize_norms: bool = Config(default=_env_bool("FUSENORM_CANONICALIZE_NORMS", True))
 
+# Deferred normalization folds a norm's affine into the next linear's weight. On, inference graphs keep each
+# fold per weight version (the tensors' version counters) instead of folding per call. Off by default: a
+# weight written in place through ``.data`` (or any write that bypasses the version counter) would then be
+# served with its old fold; per call, the fold costs one read of the weight and one write.
+fold_cache: bool = Config(default=_env_bool("FUSENORM_FOLD_CACHE", False))
+
 
 class patterns:
     """Per-pattern switches; the names are the pattern names in the match report and counters."""

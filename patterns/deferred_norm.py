@@ -13,7 +13,8 @@ that flattens a 3-D input's batch dims; fan-out: q/k/v, gate/up), and rewrites i
   the statistics are a row reduction in aten ops, which Inductor fuses into the kernel that computes the
   input;
 - each **consumer** linear becomes a ``deferred_mm`` that merges the statistics and applies the norm in its
-  epilogue, the affine folded into its weight (once per weight version in inference graphs);
+  epilogue, the affine folded into its weight (per call; once per weight version in inference graphs with
+  ``config.fold_cache``);
 - readers of the normalized tensor that are not linears (a residual add, an activation, the graph's output)
   keep the norm, which Inductor decomposes and fuses into them (norm(x) is then computed where it is read,
   from x);
@@ -37,7 +38,7 @@ import torch
 import torch.fx as fx
 from torch.fx import Node
 
-from fusenorm_inductor import fx_utils
+from fusenorm_inductor import config, fx_utils
 from fusenorm_inductor.fx_utils import flat_like, val
 from fusenorm_inductor.ops import deferred_norm as dops
 from fusenorm_inductor.ops.norm_mm import normed
@@ -202,7 +203,7 @@ class DeferredNorm(Pattern):
                     (d["a_eps"], d["a_norm"], d["a_tile"])
         cons = [view.gemm_values(g)[1:] for _, g in consumers]
         site = Site(xv, prod, cons, val(args["weight"]), val(args["bias"]), args["eps"], code, n_wgrads,
-                    cache=not training)
+                    cache=_cache_fold(training))
         return site_choice(site)
 
     # ---- rewrite ---------------------------------------------------------------------------------------
@@ -226,7 +227,7 @@ class DeferredNorm(Pattern):
         for u, g in m.consumers:
             with graph.inserting_before(u):
                 fused = fx_utils.call(graph, DEFERRED_MM, x2, g.b, g.bias, None, stats, args["weight"], args["bias"],
-                                      args["eps"], code, tile, dops.NONE, 0, not training)
+                                      args["eps"], code, tile, dops.NONE, 0, _cache_fold(training))
                 out = fx_utils.getitems(graph, fused, 1)[0]
             u.replace_all_uses_with(out)
             graph.erase_node(u)
@@ -325,6 +326,12 @@ class DeferredNorm(Pattern):
             f"{'the norm stays for readers that are not linears (fused into them by Inductor)' if m.keeps_norm else 'norm(x) never written'}"
             f"{fx_utils.dynamic_note(rows, m.choice.t_fused_ms is not None)}",
         )
+
+
+def _cache_fold(training: bool) -> bool:
+    """Whether the consumers keep their fold per weight version: inference graphs, where config.fold_cache
+    allows it (its comment says why it is off by default)."""
+    return not training and bool(config.fold_cache)
 
 
 def _backward_reader(u: Node, bwd: set) -> bool:

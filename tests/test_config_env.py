@@ -26,6 +26,7 @@ BOOL_OPTIONS = {
     "patterns.linear_norm_fwd": ("FUSENORM_LINEAR_NORM_FWD", True),
     "patterns.norm_linear_fwd": ("FUSENORM_NORM_LINEAR_FWD", True),
     "patterns.deferred_norm": ("FUSENORM_DEFERRED_NORM", True),
+    "fold_cache": ("FUSENORM_FOLD_CACHE", False),
     "patterns.dgrad_norm_bwd": ("FUSENORM_DGRAD_NORM_BWD", True),
     "patterns.attention_block": ("FUSENORM_ATTENTION_BLOCK", True),
     "patterns.attention_block_training": ("FUSENORM_ATTENTION_BLOCK_TRAINING", False),

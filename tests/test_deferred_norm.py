@@ -582,3 +582,16 @@ def test_site_measurement_plumbing(monkeypatch):
     assert [k[0] for k, _ in stored] == ["deferred_mm"] * 3
     assert all(e["config"] == list(cands[0]) for _, e in stored)
     assert stored[0][0] == tuning.deferred_key(a, wp, None, res, None, None, None, 0, LN, tuning.stats_tile(40))
+
+
+@pytest.mark.parametrize("fold_cache", [False, True])
+def test_fold_cache_follows_config_in_inference_graphs(fold_cache):
+    import torch._inductor.config as inductor_config
+
+    graphs = []
+    m = _params_normal(Tower(16, 32, layers=2))
+    with inductor_config.patch(post_grad_custom_post_pass=graphs.append):
+        _compiled(m, torch.randn(9, 16), fold_cache=fold_cache)
+    calls = [n for g in graphs for n in g.nodes if n.target is torch.ops.fusenorm.deferred_mm.default]
+    consumers = [n for n in calls if n.args[8] != d.NONE]
+    assert consumers and all(n.args[12] is fold_cache for n in consumers)
