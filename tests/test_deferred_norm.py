@@ -480,28 +480,39 @@ def test_tower_on_cuda_deferred(norm, training):
             torch.testing.assert_close(p.grad.float(), r.grad, rtol=5e-2, atol=5e-2 * r.grad.abs().max().item())
 
 
+def _norm_then_linear(n, device):
+    """A torch-level graph x [64, n] bf16 on ``device`` (fake) -> norm -> F.linear: (norm, y, w, linear, x's value)."""
+    import operator
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        xv = torch.empty(64, n, device=device, dtype=torch.bfloat16)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = xv
+    w = graph.placeholder("w")
+    w.meta["val"] = torch.empty(16, n, device="meta", dtype=torch.bfloat16)
+    norm = graph.call_function(torch.ops.fusenorm.norm.default, (x, None, None, 1e-5, False))
+    y = graph.call_function(operator.getitem, (norm, 0))
+    y.meta["val"] = xv
+    lin = graph.call_function(F.linear, (y, w))
+    lin.meta["val"] = torch.empty(64, 16, device="meta", dtype=torch.bfloat16)
+    return norm, y, w, lin, xv
+
+
+WIDE_CASES = ((512, "cuda", True), (256, "cuda", False), (512, "cpu", False))
+
+
 def test_wide_rows_between_linears_go_to_deferral_on_cuda():
     """Post-norm declines a row wider than one tile between linears on CUDA (the site is deferral's); on the
     CPU and for a row that fits a tile it matches as before. Asked of the pattern on a fake CUDA graph."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from fusenorm_inductor.patterns.base import Reject
     from fusenorm_inductor.patterns.post_norm import LinearNormFwd
     from fusenorm_inductor.patterns.views import TorchView
 
-    for n, device, declined in ((512, "cuda", True), (256, "cuda", False), (512, "cpu", False)):
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            xv = torch.empty(64, n, device=device, dtype=torch.bfloat16)
-        graph = torch.fx.Graph()
-        x = graph.placeholder("x")
-        x.meta["val"] = xv
-        w = graph.placeholder("w")
-        w.meta["val"] = torch.empty(16, n, device="meta", dtype=torch.bfloat16)
-        norm = graph.call_function(torch.ops.fusenorm.norm.default, (x, None, None, 1e-5, False))
-        y = graph.call_function(__import__("operator").getitem, (norm, 0))
-        y.meta["val"] = xv
-        lin = graph.call_function(F.linear, (y, w))
-        lin.meta["val"] = torch.empty(64, 16, device="meta", dtype=torch.bfloat16)
+    for n, device, declined in WIDE_CASES:
+        norm, _, _, _, xv = _norm_then_linear(n, device)
         try:
             LinearNormFwd().check_not_deferred(norm, xv, TorchView(training=False))
             assert not declined, (n, device)
@@ -511,25 +522,12 @@ def test_wide_rows_between_linears_go_to_deferral_on_cuda():
 
 def test_linear_after_a_wide_norm_is_left_to_deferral_on_cuda():
     """Post-norm does not take the linear that consumes a wide norm under deferral (on CUDA)."""
-    import operator
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from fusenorm_inductor.patterns.base import Reject
     from fusenorm_inductor.patterns.post_norm import LinearNormFwd
     from fusenorm_inductor.patterns.views import Gemm, TorchView
 
-    for n, device, declined in ((512, "cuda", True), (256, "cuda", False), (512, "cpu", False)):
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            xv = torch.empty(64, n, device=device, dtype=torch.bfloat16)
-        graph = torch.fx.Graph()
-        x = graph.placeholder("x")
-        x.meta["val"] = xv
-        norm = graph.call_function(torch.ops.fusenorm.norm.default, (x, None, None, 1e-5, False))
-        y = graph.call_function(operator.getitem, (norm, 0))
-        y.meta["val"] = xv
-        w = graph.placeholder("w")
-        lin = graph.call_function(F.linear, (y, w))
+    for n, device, declined in WIDE_CASES:
+        _, y, w, lin, xv = _norm_then_linear(n, device)
         try:
             LinearNormFwd().check_input_not_deferred(Gemm(lin, y, w, None), xv, TorchView(training=False))
             assert not declined, (n, device)

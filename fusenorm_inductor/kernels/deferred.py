@@ -135,7 +135,10 @@ def cached_fold(b, bias, norm_weight, norm_bias, a_norm, cache: bool, fold: Call
 
 
 def fold_cuda(a_norm):
-    """The fold on the GPU: one launch (kernels/triton/norm_mm.fold_one_launch) for 16-bit weights."""
+    """The fold on the GPU: one launch (kernels/triton/norm_mm.fold_one_launch) for 16-bit weights, the fold
+    kernel compiled on the first call and launched directly after it (one launch plan's arguments keep their
+    signature: no JIT argument binding per call)."""
+    compiled: list = []
 
     def fold(b, bias, norm_weight, norm_bias):
         if a_norm == NONE:
@@ -143,7 +146,7 @@ def fold_cuda(a_norm):
         if b.dtype in (torch.float16, torch.bfloat16) and 1 in b.stride():
             from .triton.norm_mm import fold_one_launch
 
-            return fold_one_launch(b, bias, norm_weight, norm_bias, a_norm == RMS)
+            return fold_one_launch(b, bias, norm_weight, norm_bias, a_norm == RMS, compiled)
         return folded(b, bias, norm_weight, norm_bias, a_norm)
 
     return fold

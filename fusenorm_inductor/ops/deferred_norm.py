@@ -58,7 +58,7 @@ def _check_norm_code(op: str, name: str, code) -> None:
         raise ValueError(f"{op}: {name} must be 0 (no norm), 1 (RMSNorm) or 2 (LayerNorm), got {code!r}")
 
 
-def _check_tile(op: str, name: str, tile, n: int) -> None:
+def _check_tile(op: str, name: str, tile) -> None:
     if isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0:
         raise ValueError(f"{op}: {name} must be a positive int (columns per statistics tile), got {tile!r}")
 
@@ -78,7 +78,7 @@ def _check(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm,
     if a_norm != NONE:
         if k == 0:
             raise ValueError(f"{_OP}: a is {tuple(a.shape)}: a norm needs at least one column")
-        _check_tile(_OP, "a_tile", a_tile, k)
+        _check_tile(_OP, "a_tile", a_tile)
         check_tensor(_OP, "a_stats", a_stats, shape=stats_shape(m, k, a_norm, a_tile), device=a.device,
                      dtypes=(torch.float32,))
         check_eps(_OP, a_eps)
@@ -89,7 +89,7 @@ def _check(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm,
     if out_norm != NONE:
         if n == 0:
             raise ValueError(f"{_OP}: b is {tuple(b.shape)}: statistics need at least one output column")
-        _check_tile(_OP, "out_tile", out_tile, n)
+        _check_tile(_OP, "out_tile", out_tile)
 
 
 # ----------------------------------------------------------------------------------------------------------

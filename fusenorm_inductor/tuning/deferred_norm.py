@@ -122,7 +122,6 @@ def _measure_site(site: Site) -> dict:
     """The site's fused GEMMs (each candidate of each GEMM timed, the best kept under its own key for the
     launches) against the unfused site."""
     from ..kernels import deferred as op
-    from ..kernels.triton.common import GemmConfig
 
     x, norm = site.x, site.norm
     m, n = x.shape
@@ -142,7 +141,7 @@ def _measure_site(site: Site) -> dict:
         for b, bias in site.consumers:
             _, rb, rbias = measure.real_gemm_operands(x, b, bias)
             calls.append((rx, rb, rbias, None, stats, rw, rnb, site.eps, norm, tile, 0, 0, site.cache))
-        t_fused, times_all, best_all = 0.0, {}, []
+        t_fused, labels, best_all = 0.0, {}, []
         for args in calls:
             key = deferred_key(*args[:7], args[8], args[10], args[11])
             best, times = measure.time_candidates(
@@ -151,7 +150,7 @@ def _measure_site(site: Site) -> dict:
             measure.store(key, measure.make_entry(best, times, None), bucket=True)
             t_fused += times[best]
             best_all.append(best)
-            times_all.update({GemmConfig(f"{c.kind}#{len(best_all)}", *c[1:]): t for c, t in times.items()})
+            labels.update({f"GEMM {len(best_all)}: {c.label()}": t for c, t in times.items()})
         t_gemms = sum(measure.gemm_ms(c[0], c[1], c[2]) for c in calls)
         # What the unfused norm adds to the GEMMs, in [M, N] passes at copy speed: after a GEMM, a kernel that
         # reads x and writes n (with a residual add, it reads the GEMM's output and the residual and writes x
@@ -172,7 +171,7 @@ def _measure_site(site: Site) -> dict:
         ind = baseline.time_compiled(*built, "norm site") if built is not None and baseline.enabled(x.device) else None
     best = best_all[0]
     entry = measure.make_entry(best, {best: t_fused}, t_est, None, ind)
-    entry["candidates"] = {c.label(): t for c, t in times_all.items()}
+    entry["candidates"] = labels
     return entry
 
 
