@@ -150,6 +150,11 @@ class tuning:
     # (benchmarks/results/gemm_norm_gluon_fwd_h200.json) every shape measured >= 13% faster than the
     # estimate was faster than Inductor; 15% keeps a little room.
     margin_gluon: float = 0.15
+    # The same for a deferred-normalization site: its GEMMs, each timed alone, against Inductor's own compiled
+    # site on the same inputs, so no estimate is in the comparison and the margin only has to cover the
+    # timings' spread. It must stay well below the norm's share of the site, which is all a deferral can save
+    # (docs/performance.md, "Deferred normalization"): with the whole-row margins no site ever deferred.
+    margin_deferred: float = 0.05
     # Without CUDA graphs each side of the decision takes at least host_weight x its host time per call.
     # Weighted because the compiled graph's own host work per step (guards, wrappers, allocations) runs on
     # the same thread: on the H200, a one-op step's host time was about twice the op's own, so a fused
@@ -205,6 +210,7 @@ _VALUES = {
     "tuning.cache_dir": (_path_or_none, "a directory path (str or os.PathLike) or None"),
     "tuning.margin": (_number(0.0, 1.0), "a fraction in [0, 1)"),
     "tuning.margin_gluon": (_number(0.0, 1.0), "a fraction in [0, 1)"),
+    "tuning.margin_deferred": (_number(0.0, 1.0), "a fraction in [0, 1)"),
     "tuning.host_weight": (_number(0.0), "a number >= 0"),
     "tuning.rep_ms": (_number(0.0, lo_open=True), "a number of milliseconds > 0"),
 }

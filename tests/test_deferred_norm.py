@@ -582,6 +582,31 @@ def test_site_measurement_plumbing(monkeypatch):
     assert stored[0][0] == tuning.deferred_key(a, wp, None, res, None, None, None, 0, LN, tuning.stats_tile(40))
 
 
+def test_site_decision_uses_the_deferral_margin(monkeypatch):
+    """A site measured 12% faster than Inductor's own compiled site defers: it is judged at
+    ``tuning.margin_deferred``, not at the whole-row kernels' Gluon margin (15%), which no site whose norm is
+    under 15% of its time could ever pass."""
+    from types import SimpleNamespace
+
+    from fusenorm_inductor.tuning import decide, deferred_norm as tuning, measure
+
+    monkeypatch.setattr(measure, "can_measure", lambda device: True)
+    monkeypatch.setattr(measure, "lookup", lambda key: None)
+    monkeypatch.setattr(measure, "store", lambda key, entry, bucket=False: None)
+    monkeypatch.setattr(tuning, "gluon_unsupported", lambda *a: None)
+    monkeypatch.setattr(tuning.Site, "key", lambda self: ("site",))
+    entry = {"config": ["gl_coop", 128, 256, 64, 3, 8], "t_fused_ms": 0.88, "t_unfused_ms": 1.0, "candidates": {},
+             "unfused_by": "inductor"}
+    monkeypatch.setattr(tuning, "_measure_site", lambda site: entry)
+    x = SimpleNamespace(device=torch.device("cuda"), shape=(4096, 1024))
+    site = tuning.Site(x, None, [(None, None)], None, None, 1e-5, d.RMS, wgrads=0, cache=False)
+    assert tuning.site_choice(site).fuse
+    assert not decide._choice(("k",), x.device, lambda: entry, lambda: "first").fuse  # the Gluon margin
+    with config.patch({"tuning.margin_deferred": 0.15}):
+        choice = tuning.site_choice(site)
+    assert not choice.fuse and "would not win" in choice.reason, choice
+
+
 @pytest.mark.parametrize("fold_cache", [False, True])
 def test_fold_cache_follows_config_in_inference_graphs(fold_cache):
     import torch._inductor.config as inductor_config

@@ -55,13 +55,15 @@ _PROBE_FAILED = "not measured: the copy-bandwidth probe failed, so the unfused n
 
 
 def _choice(key, device, measure_fn: Callable[[], dict], default_label: Callable[[], str],
-            what: str = "cuBLAS GEMM + norm at copy speed", step_fn: Optional[Callable[[], dict]] = None) -> Choice:
+            what: str = "cuBLAS GEMM + norm at copy speed", step_fn: Optional[Callable[[], dict]] = None,
+            margin: Optional[float] = None) -> Choice:
     """The decision for ``key``: the cached entry, else ``measure_fn()``'s (stored), judged by the rules in the
     module docstring. ``step_fn`` (a training graph): where the forward alone would fuse, the whole step is
     timed too (``step_fn()``: the fused forward with the backward it implies against Inductor's forward and
     backward of the unfused subgraph, ``t_fused_step_ms`` / ``t_unfused_step_ms``, kept in the entry) and
-    decides: a forward that wins can still cost the step more in the backward it brings."""
-    choice, entry = _forward_choice(key, device, measure_fn, default_label, what)
+    decides: a forward that wins can still cost the step more in the backward it brings. ``margin``: the
+    fraction the fused side must win by, where the caller's comparison needs its own (else the label's)."""
+    choice, entry = _forward_choice(key, device, measure_fn, default_label, what, margin)
     if step_fn is None or not choice.fuse or choice.t_fused_ms is None:
         return choice
     if "t_fused_step_ms" not in entry:
@@ -72,7 +74,7 @@ def _choice(key, device, measure_fn: Callable[[], dict], default_label: Callable
         return Choice(False, choice.config, f"left unfused: the training step could not be measured, and a "
                                             f"forward that wins alone may lose the step ({choice.reason})",
                       choice.t_fused_ms, choice.t_unfused_ms)
-    margin = measure.margin_for(choice.config)
+    margin = measure.margin_for(choice.config) if margin is None else margin
     fuse = t_fs < t_us * (1.0 - margin)
     verdict = "fused" if fuse else "left unfused: fusion would not win the training step"
     reason = (f"{verdict} (measured the training step: {t_fs:.4g} ms fused forward + the backward it implies "
@@ -82,7 +84,7 @@ def _choice(key, device, measure_fn: Callable[[], dict], default_label: Callable
 
 
 def _forward_choice(key, device, measure_fn: Callable[[], dict], default_label: Callable[[], str],
-                    what: str) -> tuple[Choice, Optional[dict]]:
+                    what: str, margin: Optional[float] = None) -> tuple[Choice, Optional[dict]]:
     can = measure.can_measure(device)
     if not can and device.type != "cuda":
         return Choice(True, default_label(), "fused (not measured on CPU)"), None
@@ -106,7 +108,7 @@ def _forward_choice(key, device, measure_fn: Callable[[], dict], default_label: 
     label = measure.config_of(entry).label()
     if t_u is None:
         return Choice(True, label, f"fused ({_PROBE_FAILED})"), entry
-    margin = measure.margin_for(label)
+    margin = measure.margin_for(label) if margin is None else margin
     host = ""
     h_f, weight = entry.get("h_fused_us"), config.tuning.host_weight
     use_host = isinstance(h_f, (int, float)) and weight > 0 and measure.host_counts()

@@ -115,7 +115,8 @@ def site_choice(site: Site) -> Choice:
         if why is not None:
             return Choice(False, "-", f"not deferred: the Gluon kernel cannot take a GEMM of the site ({why})")
     return _choice(site.key(), x.device, lambda: _measure_site(site), lambda: "Gluon deferred_mm",
-                   what="Inductor's unfused site (or cuBLAS GEMMs + the norm at copy speed)")
+                   what="Inductor's unfused site (or cuBLAS GEMMs + the norm at copy speed)",
+                   margin=config.tuning.margin_deferred)
 
 
 def _measure_site(site: Site) -> dict:
