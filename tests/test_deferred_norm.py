@@ -538,7 +538,8 @@ def test_linear_after_a_wide_norm_is_left_to_deferral_on_cuda():
 def test_site_measurement_plumbing(monkeypatch):
     """The per-site measurement with the timer and the kernels replaced (they need an sm_90 GPU): every GEMM of
     the site is timed over its candidates, each GEMM's best is stored under the key its launches read, and the
-    site's entry sums them against the unfused estimate (cuBLAS GEMMs + the norm's passes)."""
+    site's entry sums them and their host times against the unfused estimate (cuBLAS GEMMs + the norm's
+    passes)."""
     from fusenorm_inductor.kernels import deferred as kd
     from fusenorm_inductor.kernels.triton.common import GemmConfig
     from fusenorm_inductor.tuning import baseline, deferred_norm as tuning, measure
@@ -562,6 +563,7 @@ def test_site_measurement_plumbing(monkeypatch):
     monkeypatch.setattr(measure, "time_ms", fake_time)
     monkeypatch.setattr(measure, "gemm_ms", lambda a, b, bias: 1.0)
     monkeypatch.setattr(measure, "norm_proxy_ms", lambda *a: 0.5)
+    monkeypatch.setattr(measure, "fused_host_us", lambda launch, gpu_ms=None: 7.0)
     monkeypatch.setattr(baseline, "enabled", lambda device: False)
     monkeypatch.setattr(tuning, "deferred_candidates", lambda a, b, out_tile: cands)
     monkeypatch.setattr(kd, "launch", fake_launch)
@@ -576,6 +578,7 @@ def test_site_measurement_plumbing(monkeypatch):
     assert entry["t_fused_ms"] == pytest.approx(3 * 1.0 + 0.5)  # three GEMMs at their best + the rebuild
     assert entry["t_unfused_ms"] == pytest.approx(3 * 1.0 + 0.5) and entry["unfused_by"] == "estimate"
     assert len(entry["candidates"]) == 6
+    assert entry["h_fused_us"] == pytest.approx(3 * 7.0)  # each GEMM is its own call: the site pays three
     # each GEMM's best under the key its launches read (the op's CUDA path asks deferred_config with it)
     assert [k[0] for k, _ in stored] == ["deferred_mm"] * 3
     assert all(e["config"] == list(cands[0]) for _, e in stored)
