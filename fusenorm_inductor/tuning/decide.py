@@ -11,7 +11,8 @@ under CUDA graphs, each side takes at least ``config.tuning.host_weight`` times 
 fused op as a compiled graph calls it, against the lower of Inductor's compiled subgraph's call and cuBLAS's
 call plus one Triton launch: ``measure.fused_host_us`` / ``unfused_host_us``): without CUDA graphs a
 kernel shorter than its launch waits for the CPU. Fusion is kept only when it
-is faster by ``config.tuning.margin`` (``margin_gluon`` where the measured kernel is a Gluon one);
+is faster by ``config.tuning.margin`` (``margin_gluon`` where the measured kernel is a Gluon one,
+``margin_deferred`` for a deferred-normalization site: the caller passes it);
 otherwise the match report names the measured times and Inductor compiles the graph as it would without
 fusenorm. The measurements are the kernels' own (``measure_forward`` in tuning/mm_norm.py, ...), kept in
 tuning/measure.py's cache, where the ops' CUDA calls later find which configuration to run.
