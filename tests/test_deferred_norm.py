@@ -126,6 +126,65 @@ def test_autograd_through_a_deferred_norm_says_so():
         c.sum().backward()
 
 
+def test_row_scaled_residual():
+    """res_rows: the residual enters scaled per row (one term), or as scale * (r - center) + shift (three);
+    its gradient is the output's scaled the same way; validation names the problem."""
+    torch.manual_seed(11)
+    a, b, r = torch.randn(9, 8), torch.randn(8, 5), torch.randn(9, 5, requires_grad=True)
+    op = torch.ops.fusenorm.deferred_mm
+    for rows in (torch.randn(1, 9), torch.randn(3, 9)):
+        c, _ = op(a, b, None, r, None, None, None, 0.0, 0, 0, 0, 0, False, rows)
+        want = (r - rows[1:2].t()) * rows[0:1].t() + rows[2:3].t() if rows.shape[0] == 3 else r * rows.t()
+        torch.testing.assert_close(c, a @ b + want, rtol=1e-5, atol=1e-5)
+        c.backward(torch.ones_like(c))
+        torch.testing.assert_close(r.grad, rows[0].unsqueeze(-1).expand(9, 5))
+        r.grad = None
+    with pytest.raises(ValueError, match="without a residual"):
+        op(a, b, None, None, None, None, None, 0.0, 0, 0, 0, 0, False, torch.randn(1, 9))
+    with pytest.raises(ValueError, match=r"res_rows must be \[1, M\]"):
+        op(a, b, None, r.detach(), None, None, None, 0.0, 0, 0, 0, 0, False, torch.randn(2, 9))
+
+
+@pytest.mark.parametrize("norm", [LN, RMS], ids=["ln", "rms"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+def test_backward_algebra_matches_autograd(norm, affine):
+    """The deferred norm's backward (kernels/deferred.py): two consumers (fan-out) of norm(x); the input
+    gradient as one GEMM over [g_1 g_2] with the norm's backward in the residual's per-row terms, the weight
+    gradients from x, and dgamma / dbeta from the [N2, N] products, against autograd in float64, at a row
+    mean of 30 (LayerNorm's centering at work)."""
+    torch.manual_seed(12)
+    m, n, n2s, eps = 37, 24, (16, 40), 1e-5
+    x = (30 + torch.randn(m, n, dtype=torch.float64)).requires_grad_()
+    gamma = (1 + 0.3 * torch.randn(n, dtype=torch.float64)).requires_grad_() if affine else None
+    beta = (0.3 * torch.randn(n, dtype=torch.float64)).requires_grad_() if affine and norm == LN else None
+    ws = [torch.randn(k, n, dtype=torch.float64, requires_grad=True) for k in n2s]
+    biases = [torch.randn(k, dtype=torch.float64) for k in n2s]
+    y = F.layer_norm(x, (n,), gamma, beta, eps) if norm == LN else F.rms_norm(x, (n,), gamma, eps)
+    hs = [y @ w.t() + bias for w, bias in zip(ws, biases)]
+    dhs = [torch.randn_like(h) for h in hs]
+    torch.autograd.backward(hs, dhs)
+    tile = 8
+    mean, rstd = d.merge_stats(d.partial_stats(x.detach(), norm, tile), n, tile, eps, norm)
+    xd = x.detach()
+    gd, bd = (gamma.detach() if gamma is not None else None), (beta.detach() if beta is not None else None)
+    bs = [w.detach().t() for w in ws]
+    gs, wts, rows = d.consumer_gradients(dhs, [h.detach() for h in hs], bs, biases, rstd, mean, gd, bd, norm,
+                                         torch.float64)
+    # the op's epilogue (its reference: fp32 arithmetic; the op itself takes 16- and 32-bit tensors only)
+    dx, _ = d.applied(torch.cat(gs, 1), torch.cat(wts, 0), None, None, xd, None, 0.0, 0, 0, 0, 0, rows)
+    torch.testing.assert_close(dx, x.grad, rtol=1e-4, atol=1e-4 * float(x.grad.abs().max()))
+    dgamma = dbeta = 0
+    for g, dh, w, b in zip(gs, dhs, ws, bs):
+        dw, dg, db = d.consumer_weight_gradient(g, dh, xd, mean, w.detach(), gd, bd, norm, True)
+        torch.testing.assert_close(dw, w.grad, rtol=1e-4, atol=1e-4 * float(w.grad.abs().max()))
+        dgamma, dbeta = dgamma + (dg if dg is not None else 0), dbeta + (db if db is not None else 0)
+    if gamma is not None:
+        torch.testing.assert_close(dgamma.double(), gamma.grad, rtol=1e-4,
+                                   atol=1e-4 * float(gamma.grad.abs().max()))
+    if beta is not None:
+        torch.testing.assert_close(dbeta.double(), beta.grad, rtol=1e-5, atol=1e-5 * float(beta.grad.abs().max()))
+
+
 def test_fold_cache_follows_weight_versions():
     d._FOLDS.clear()
     b, g = torch.randn(16, 8), torch.randn(16)

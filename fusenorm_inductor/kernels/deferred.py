@@ -75,7 +75,18 @@ def folded(b, bias, norm_weight, norm_bias, a_norm) -> tuple[Tensor, Optional[Te
     return fold_norm_affine(b, bias, norm_weight, norm_bias, b.dtype, a_norm == RMS)
 
 
-def applied(a, b, bias, colsum, residual, a_stats, a_eps, a_norm, a_tile, out_norm, out_tile):
+def row_residual(residual: Tensor, res_rows: Optional[Tensor]) -> Tensor:
+    """The residual's term of the epilogue in fp32: the residual, or with its per-row terms ``res_rows``
+    [1 or 3, M] applied: scale * r, or scale * (r - center) + shift."""
+    r = residual.float()
+    if res_rows is None:
+        return r
+    if res_rows.shape[0] == 3:
+        return (r - res_rows[1].unsqueeze(-1)) * res_rows[0].unsqueeze(-1) + res_rows[2].unsqueeze(-1)
+    return r * res_rows[0].unsqueeze(-1)
+
+
+def applied(a, b, bias, colsum, residual, a_stats, a_eps, a_norm, a_tile, out_norm, out_tile, res_rows=None):
     """The op's semantics on operands already folded (``folded``): the reference's epilogue."""
     acc = a.float() @ b.float()
     if a_norm != NONE:
@@ -86,10 +97,75 @@ def applied(a, b, bias, colsum, residual, a_stats, a_eps, a_norm, a_tile, out_no
     if bias is not None:
         acc = acc + bias.float()
     if residual is not None:
-        acc = acc + residual.float()
+        acc = acc + row_residual(residual, res_rows)
     c = acc.to(a.dtype)
     stats = partial_stats(c, out_norm, out_tile) if out_norm != NONE else c.new_empty((0,), dtype=torch.float32)
     return c, stats
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The backward of a deferred norm (training graphs: patterns/deferred_norm.py inlines these as aten ops)
+# ----------------------------------------------------------------------------------------------------------
+#
+# A consumer computes h = rstd * (x @ W'^T) [- rstd * mean * colsum] + bias' with W' = W * gamma (the fold). Its
+# output gradient dh therefore reaches the norm's input through the same algebra: with g = dh * rstd,
+#     dx = g @ W' + scale * (x - center) + shift            (summed over the consumers: one GEMM over [g_1 g_2 ..])
+#     scale = -rstd^2 * B / N,  B = sum_j dh_j * (h_j - bias'_j)   (the row's dot product of dxhat and xhat,
+#                                                                 read from the consumer's own output)
+#     center = mean, shift = -rstd * A / N,  A = dh . colsum       (LayerNorm; RMSNorm: center = shift = 0)
+# so the GEMM that computes dx applies the norm's whole backward in its epilogue (``res_rows``), with x as
+# its residual; the row reductions B and A read dh and h, which the kernel that computes dh reads anyway.
+# The weight gradient reads x, never norm(x): dW = (g^T @ x - [LayerNorm] (g^T mean) 1^T) * gamma + colsum(dh)
+# beta^T, and the norm's own parameter gradients follow from the same [N2, N] product:
+# dgamma = sum_j W_jk * (dh^T xhat)_jk, dbeta = colsum(dh) @ W.
+
+
+def consumer_gradients(dhs, outs, bs, biases, rstd, mean, gamma, beta, norm: int, dtype):
+    """For the consumers (their output gradients ``dhs`` [M, N2_i], outputs ``outs``, forward operands ``bs``
+    [N, N2_i] and biases): (the GEMM's operands g_i = dh_i * rstd and W'_i^T, the residual's per-row terms
+    [1 or 3, M]) of the norm's input gradient (see above). fp32 terms; the operands in ``dtype``."""
+    n = bs[0].shape[0]
+    r = rstd.unsqueeze(-1)
+    dots = sums = 0.0
+    gs, ws = [], []
+    for dh, out, b, bias in zip(dhs, outs, bs, biases):
+        b_f, bias_f, colsum = fold_norm_affine(b, bias, gamma, beta, dtype, norm == RMS)
+        dhf = dh.float()
+        term = out.float() - bias_f.float() if bias_f is not None else out.float()
+        dots = dots + (dhf * term).sum(-1)
+        if norm == LN:
+            sums = sums + (dhf * colsum).sum(-1)
+        gs.append((dhf * r).to(dtype))
+        ws.append(b_f.t())
+    scale = -(rstd * rstd) * dots / n
+    rows = [scale] if norm == RMS else [scale, mean, -rstd * sums / n]
+    return gs, ws, torch.stack(rows)
+
+
+def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with an fp32 result: 16-bit operands on CUDA through cuBLAS's fp32 output, else in fp32."""
+    if a.device.type == "cuda" and a.dtype in (torch.float16, torch.bfloat16) and a.dtype == b.dtype:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def consumer_weight_gradient(g, dh, x, mean, w, gamma, beta, norm: int, want_wgrad: bool):
+    """(dW [N2, N] in dh's dtype (None unless ``want_wgrad``), this consumer's share of dgamma and dbeta
+    (fp32 [N], None where the norm has no weight / bias)) from g = dh * rstd, the norm's input x [M, N], its
+    mean and the consumer's weight w [N2, N] (see above)."""
+    t = mm_fp32(g.t(), x)
+    if norm == LN:
+        t = t - (g.float() * mean.unsqueeze(-1)).sum(0).unsqueeze(-1)
+    col = dh.float().sum(0) if beta is not None else None
+    dw = None
+    if want_wgrad:
+        dw = t * gamma.float() if gamma is not None else t
+        if beta is not None:
+            dw = dw + col.unsqueeze(-1) * beta.float()
+        dw = dw.to(dh.dtype)
+    dgamma = (t * w.float()).sum(0) if gamma is not None else None
+    dbeta = col @ w.float() if beta is not None else None
+    return dw, dgamma, dbeta
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -159,7 +235,7 @@ def launch(args: tuple, config, alloc: Callable, plan_out: Optional[list] = None
     ``plan_out``: where the function that launches the same again on arguments of this signature goes."""
     from .hopper import deferred_mm as hopper
 
-    a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile, out_norm, out_tile, cache = args
+    a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile, out_norm, out_tile, cache, rows = args
     m, n = a.shape[0], b.shape[1]
     fold = fold_cuda(a_norm)
     shape = stats_shape(m, n, out_norm, out_tile)
@@ -167,15 +243,15 @@ def launch(args: tuple, config, alloc: Callable, plan_out: Optional[list] = None
     c = alloc((m, n), a.dtype, a.device)
     stats = alloc(shape, torch.float32, a.device)
     plan = hopper.deferred_mm_gluon(a, b_f, bias_f, colsum, residual, a_stats, a_eps, a_norm, a_tile, out_norm,
-                                    out_tile, c, stats, config)
+                                    out_tile, c, stats, config, res_rows=rows)
     if plan_out is not None:
         dtype, device = a.dtype, a.device
 
-        def again(a, b, bias, residual, a_stats, norm_weight, norm_bias, *_):
+        def again(a, b, bias, residual, a_stats, norm_weight, norm_bias, *rest):
             c = alloc((m, n), dtype, device)
             stats = alloc(shape, torch.float32, device)
             b_f, bias_f, colsum = cached_fold(b, bias, norm_weight, norm_bias, a_norm, cache, fold)
-            plan(a, b_f, bias_f, colsum, residual, a_stats, c, stats)
+            plan(a, b_f, bias_f, colsum, residual, a_stats, c, stats, rest[6] if len(rest) > 6 else None)
             return c, stats
 
         plan_out.append(again)

@@ -34,8 +34,8 @@ def fold_norm_affine(
     the rounded b' so the rank-1 correction matches the GEMM operand exactly.
     """
     if weight is not None:
-        b_fold = torch.empty_like(b, dtype=operand_dtype)  # preserve_format: b's strides when b is dense
-        torch.mul(b, weight.float()[:, None], out=b_fold)
+        # elementwise ops keep a dense b's strides; functional, so a graph can inline it (patterns/deferred_norm.py)
+        b_fold = (b * weight.float()[:, None]).to(operand_dtype)
     else:
         b_fold = b
     bias_fold = bias

@@ -6,14 +6,16 @@ statistics of y, one per tile of ``tile`` columns; each consumer applies the nor
 norm(y) is never written where only GEMMs read it. Two ops:
 
 ``fusenorm::deferred_mm(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile,
-out_norm, out_tile, cache_fold)`` -> (c, stats) is one GEMM ``acc = a @ b'`` (fp32) whose epilogue
+out_norm, out_tile, cache_fold, res_rows)`` -> (c, stats) is one GEMM ``acc = a @ b'`` (fp32) whose epilogue
   1. applies the deferred norm of its input a (``a_norm``: 0 none, 1 RMSNorm, 2 LayerNorm), whose partial
      statistics ``a_stats`` (tiles of ``a_tile`` columns of a) it merges per row into (mean, rstd):
          RMSNorm:   acc = rstd * acc
          LayerNorm: acc = rstd * (acc - mean * colsum)
      with b', colsum and bias' folded from the norm's affine (kernels/fold.py: b' = diag(norm_weight) b,
      colsum = the column sums of the rounded b', bias' = bias + norm_bias b); without a norm, b' = b;
-  2. adds bias' and ``residual`` and rounds once to a's dtype: c;
+  2. adds bias' and ``residual`` and rounds once to a's dtype: c; with ``res_rows`` [1 or 3, M] fp32 the
+     residual r enters as scale * r, or scale * (r - center) + shift, per row: in a training graph, the GEMM
+     of the consumers' gradients applies the norm's backward this way (patterns/deferred_norm.py);
   3. writes the partial statistics of c *as stored* (``out_norm``: which norm will read them, in tiles of
      ``out_tile`` columns) for the next norm: the producer's side.
 A tower ``linear -> norm -> linear -> norm`` is a chain of these, each applying the previous norm and
@@ -43,6 +45,8 @@ from torch import Tensor
 from .. import config as settings
 from .. import graph_calls
 from ..kernels.deferred import LN, NONE, RMS, applied, folded, merge_stats, partial_stats, stats_shape
+
+N_ARGS = 14  # the op's arguments; callers may leave out the trailing optional res_rows
 from ..tuning import measure
 from ._validate import check_eps, check_tensor
 
@@ -64,7 +68,7 @@ def _check_tile(op: str, name: str, tile) -> None:
 
 
 def _check(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile, out_norm, out_tile,
-           cache_fold) -> None:
+           cache_fold, res_rows=None) -> None:
     check_tensor(_OP, "a", a, ndim=2, dtypes=FLOATS)
     m, k = a.shape
     check_tensor(_OP, "b", b, ndim=2, device=a.device, dtypes=(a.dtype,))
@@ -90,6 +94,13 @@ def _check(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm,
         if n == 0:
             raise ValueError(f"{_OP}: b is {tuple(b.shape)}: statistics need at least one output column")
         _check_tile(_OP, "out_tile", out_tile)
+    if res_rows is not None:
+        if residual is None:
+            raise ValueError(f"{_OP}: res_rows given without a residual to apply them to")
+        check_tensor(_OP, "res_rows", res_rows, ndim=2, device=a.device, dtypes=(torch.float32,))
+        if res_rows.shape[0] not in (1, 3) or res_rows.shape[1] != m:
+            raise ValueError(f"{_OP}: res_rows must be [1, M] (scale) or [3, M] (scale, center, shift) with "
+                             f"M = {m}, got {tuple(res_rows.shape)}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -98,9 +109,9 @@ def _check(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm,
 
 
 def deferred_mm_reference(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile, out_norm,
-                          out_tile, cache_fold=False) -> tuple[Tensor, Tensor]:
+                          out_tile, cache_fold=False, res_rows=None) -> tuple[Tensor, Tensor]:
     b, bias, colsum = folded(b, bias, norm_weight, norm_bias, a_norm)
-    return applied(a, b, bias, colsum, residual, a_stats, a_eps, a_norm, a_tile, out_norm, out_tile)
+    return applied(a, b, bias, colsum, residual, a_stats, a_eps, a_norm, a_tile, out_norm, out_tile, res_rows)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -123,28 +134,29 @@ def deferred_mm(
     out_norm: int,
     out_tile: int,
     cache_fold: bool = False,
+    res_rows: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """One GEMM that applies a deferred norm of its input and writes statistics of its output for the next
     one; see the module docstring."""
     args = (a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile, out_norm, out_tile,
-            cache_fold)
+            cache_fold, res_rows)
     _check(*args)
     return deferred_mm_reference(*args)
 
 
 @deferred_mm.register_fake
 def _(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile, out_norm, out_tile,
-      cache_fold=False):
+      cache_fold=False, res_rows=None):
     _check(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile, out_norm, out_tile,
-           cache_fold)
+           cache_fold, res_rows)
     m, n = a.shape[0], b.shape[1]
     return a.new_empty((m, n)), a.new_empty(stats_shape(m, n, out_norm, out_tile), dtype=torch.float32)
 
 
 def _cuda(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile, out_norm, out_tile,
-          cache_fold=False):
+          cache_fold=False, res_rows=None):
     args = (a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile, out_norm, out_tile,
-            cache_fold)
+            cache_fold, res_rows)
     return deferred_mm_cuda(args, lambda: _check(*args))
 
 
@@ -156,7 +168,7 @@ graph_calls.register("deferred_mm", _cuda)  # compiled graphs call _cuda directl
 
 def _setup_context(ctx, inputs, output):
     a, b, bias, residual = inputs[:4]
-    ctx.save_for_backward(a, b)
+    ctx.save_for_backward(a, b, inputs[13] if len(inputs) > 13 else None)
     ctx.a_norm = inputs[8]
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.residual_dtype = residual.dtype if residual is not None else None
@@ -170,12 +182,14 @@ def _backward(ctx, dc, _dstats):
         raise NotImplementedError(
             f"{_OP}: backward through a deferred norm (a_norm != 0) is not implemented for direct calls; "
             "differentiate the unfused graph (torch.compile does, before fusenorm rewrites it)")
-    a, b = ctx.saved_tensors
+    a, b, res_rows = ctx.saved_tensors
     da = dc.to(b.dtype) @ b.t() if ctx.needs_input_grad[0] else None
     db = a.t() @ dc.to(a.dtype) if ctx.needs_input_grad[1] else None
     dbias = dc.float().sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None else None
-    dres = dc.to(ctx.residual_dtype) if ctx.residual_dtype is not None else None
-    return (da, db, dbias, dres) + (None,) * 9
+    dres = None
+    if ctx.residual_dtype is not None:  # the per-row terms are constants to the residual's gradient
+        dres = (dc.float() * res_rows[0].unsqueeze(-1) if res_rows is not None else dc).to(ctx.residual_dtype)
+    return (da, db, dbias, dres) + (None,) * 10
 
 
 deferred_mm.register_autograd(_backward, setup_context=_setup_context)
@@ -192,7 +206,7 @@ def deferred_mm_cuda(args: tuple, check: Callable[[], None]):
     """The CUDA kernel of ``fusenorm::deferred_mm`` as compiled graphs call it: the launch plan cached for
     this argument signature (no validation or tuning lookup per call), else ``check()`` and
     ``deferred_mm_tuned``, whose plan is kept when it made one (not while a CUDA graph is captured)."""
-    tensors, scalars = args[:7], args[7:]
+    tensors, scalars = args[:7] + args[13:], args[7:13]
     key = measure.plan_key(tensors, *scalars, settings.gluon)
     plan = _PLANS.get(key)
     if plan is not None:
@@ -218,6 +232,7 @@ def deferred_mm_tuned(args: tuple, config=None, plan_out: Optional[list] = None)
     from ..kernels import deferred as kernels
     from ..tuning import deferred_norm as tuning
 
+    args = tuple(args) + (None,) * (N_ARGS - len(args))
     a, b, residual, out_norm, out_tile = args[0], args[1], args[3], args[10], args[11]
     if 0 in (a.shape[0], a.shape[1], b.shape[1]) or tuning.gluon_unsupported(a, b, residual, out_norm, out_tile):
         return deferred_mm_reference(*args)

@@ -56,17 +56,19 @@ def deferred_candidates(a: Tensor, b: Tensor, out_tile: int) -> list:
     return hopper.candidates(a, b, out_tile)
 
 
-def deferred_key(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_norm, out_norm, out_tile) -> tuple:
+def deferred_key(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_norm, out_norm, out_tile, res_rows=None
+                 ) -> tuple:
     return ("deferred_mm", a.device, measure.spec(a, rows=True), measure.spec(b), measure.spec(bias),
             measure.spec(residual), measure.spec(a_stats), measure.spec(norm_weight), measure.spec(norm_bias),
-            int(a_norm), int(out_norm), int(out_tile))
+            int(a_norm), int(out_norm), int(out_tile), None if res_rows is None else int(res_rows.shape[0]))
 
 
 def deferred_config(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile, out_norm,
-                    out_tile, cache_fold=False):
+                    out_tile, cache_fold=False, res_rows=None):
     """The GemmConfig a launch runs for these (real) arguments (``measure.tuned_config``: never a timing)."""
     return measure.tuned_config(
-        deferred_key(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_norm, out_norm, out_tile), a.device,
+        deferred_key(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_norm, out_norm, out_tile, res_rows),
+        a.device,
         lambda: deferred_candidates(a, b, out_tile))
 
 

@@ -13,8 +13,10 @@ input's statistics come as partials from its producer); the epilogue (``_deferre
    (the statistics are tiny and read from L2; every N tile of a row block merges them again rather than
    share them: no tile waits for another);
 2. adds bias' and the residual (its TMA load was issued before the tile's mainloop, ``_deferred_prologue``,
-   through the tile's staging buffer, so the bytes land under the MMAs) and rounds once to a's dtype: c,
-   TMA-stored through the same staging buffer;
+   through the tile's staging buffer, so the bytes land under the MMAs), the residual scaled per row where
+   ``res_rows`` is given (``RES_ROWS``: 1 = scale * r, 3 = scale * (r - center) + shift: a norm's backward
+   applied by the GEMM that computes its input gradient), and rounds once to a's dtype: c, TMA-stored
+   through the same staging buffer;
 3. writes the partial statistics of c *as stored* (the rounded values) in groups of ``OUT_G`` columns for
    the next norm (``partial_stats``): RMSNorm the group's sum of squares, LayerNorm its mean over the valid
    columns and the sum of squared deviations from it (columns >= N left out: two passes within the group,
@@ -69,7 +71,8 @@ FLAG_NORM_MASK = gl.constexpr(3)
 # N is a multiple of OUT_G: no group straddles N. Else (LayerNorm's output statistics) the launcher pads the
 # bias with NaN past N, which the statistics mask by value (``_group_stats``).
 FLAG_EVEN_N = gl.constexpr(64)
-FLAG_G_SHIFT = gl.constexpr(7)
+FLAG_ROWS_SHIFT = gl.constexpr(7)  # RES_ROWS (0, 1 or 3 per-row vectors of the residual's terms): bits 7-8
+FLAG_G_SHIFT = gl.constexpr(9)
 
 NONE, RMS, LN = 0, 1, 2  # the norm codes of ops/deferred_norm.py
 # The narrowest statistics group: the narrowest wgmma-layout chunk the statistics read (8 columns).
@@ -146,6 +149,18 @@ def _input_norm(acc, cols, rows, rmask, colsum_ptr, a_stats_ptr, M, K, a_tile, e
 
 
 @gluon.jit
+def _row_residual(r, rows, rmask, res_rows_ptr, M, RES_ROWS: gl.constexpr):
+    """The residual tile r (fp32) with its per-row terms applied: scale * r (RES_ROWS 1) or scale * (r - center)
+    + shift (3), the vectors read from ``res_rows`` [RES_ROWS, M] in the accumulator's row layout."""
+    scale = gl.load(res_rows_ptr + rows, mask=rmask, other=0.0)
+    if RES_ROWS == 3:
+        center = gl.load(res_rows_ptr + M + rows, mask=rmask, other=0.0)
+        shift = gl.load(res_rows_ptr + 2 * M + rows, mask=rmask, other=0.0)
+        return (r - gl.expand_dims(center, 1)) * gl.expand_dims(scale, 1) + gl.expand_dims(shift, 1)
+    return r * gl.expand_dims(scale, 1)
+
+
+@gluon.jit
 def _chunk_sum(buf, col, x_mean, FIRST: gl.constexpr, OUT_NORM: gl.constexpr, EVEN_N: gl.constexpr,
                cl: gl.constexpr):
     """Row sums over CH columns of c from the staging tile (from column ``col`` of the tile): RMSNorm's
@@ -216,11 +231,13 @@ def _deferred_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_ba
     a_tile = eargs[7]
     t_out = eargs[8]
     eps = eargs[9]
+    res_rows_ptr = eargs[10]
     HAS_BIAS: gl.constexpr = (FLAGS & FLAG_HAS_BIAS) != 0
     HAS_RES: gl.constexpr = (FLAGS & FLAG_HAS_RES) != 0
     A_NORM: gl.constexpr = (FLAGS >> FLAG_A_SHIFT) & FLAG_NORM_MASK
     OUT_NORM: gl.constexpr = (FLAGS >> FLAG_OUT_SHIFT) & FLAG_NORM_MASK
     EVEN_N: gl.constexpr = (FLAGS & FLAG_EVEN_N) != 0
+    RES_ROWS: gl.constexpr = (FLAGS >> FLAG_ROWS_SHIFT) & 3
     G: gl.constexpr = FLAGS >> FLAG_G_SHIFT
     BM: gl.constexpr = c_bufs.type.shape[1]
     BN: gl.constexpr = c_bufs.type.shape[2]
@@ -240,7 +257,10 @@ def _deferred_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_ba
     if HAS_BIAS:
         h = h + load_vector(bias_ptr, cols)
     if HAS_RES:
-        h = h + buf.load(layout).to(gl.float32)
+        r = buf.load(layout).to(gl.float32)
+        if RES_ROWS != 0:
+            r = _row_residual(r, rows, rmask, res_rows_ptr, M, RES_ROWS)
+        h = h + r
         thread_barrier()  # every thread has read the residual before any stages c into the buffer
     # c as stored; the statistics are of these values (read back from the staging tile), so a consumer
     # normalizes exactly what it reads
@@ -251,14 +271,15 @@ def _deferred_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_ba
 
 
 @gluon.jit
-def deferred_mm_kernel(a_desc, b_desc, c_desc, res_desc, bias_ptr, colsum_ptr, a_stats_ptr, stats_ptr, M, N, K,
-                       a_tile, t_out, eps,
+def deferred_mm_kernel(a_desc, b_desc, c_desc, res_desc, bias_ptr, colsum_ptr, a_stats_ptr, stats_ptr, res_rows_ptr,
+                       M, N, K, a_tile, t_out, eps,
                        HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, A_NORM: gl.constexpr, OUT_NORM: gl.constexpr,
-                       OUT_G: gl.constexpr, EVEN_N: gl.constexpr, NUM_STAGES: gl.constexpr, NCONS: gl.constexpr,
+                       OUT_G: gl.constexpr, EVEN_N: gl.constexpr, RES_ROWS: gl.constexpr, NUM_STAGES: gl.constexpr, NCONS: gl.constexpr,
                        B_KN: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
-    eargs = (c_desc, res_desc, bias_ptr, colsum_ptr, a_stats_ptr, stats_ptr, K, a_tile, t_out, eps)
+    eargs = (c_desc, res_desc, bias_ptr, colsum_ptr, a_stats_ptr, stats_ptr, K, a_tile, t_out, eps, res_rows_ptr)
     FLAGS: gl.constexpr = (HAS_BIAS * FLAG_HAS_BIAS + HAS_RES * FLAG_HAS_RES + (A_NORM << FLAG_A_SHIFT)
-                           + (OUT_NORM << FLAG_OUT_SHIFT) + EVEN_N * FLAG_EVEN_N + (OUT_G << FLAG_G_SHIFT))
+                           + (OUT_NORM << FLAG_OUT_SHIFT) + EVEN_N * FLAG_EVEN_N + (RES_ROWS << FLAG_ROWS_SHIFT)
+                           + (OUT_G << FLAG_G_SHIFT))
     gemm_ws(a_desc, b_desc, c_desc, M, N, K, _deferred_prologue, _deferred_epilogue, eargs, FLAGS, 0, 1, False,
             NUM_STAGES, 1, 1, NCONS, B_KN, 1, LOAD_REGS, MMA_REGS, num_warps)
 
@@ -330,21 +351,21 @@ def launch_shape(config) -> Launch:
 
 
 def _constexprs(config, shape: Launch, n: int, b_kn: bool, *, bias: bool, residual: bool, a_norm: int,
-                out_norm: int, out_tile: int) -> dict:
+                out_norm: int, out_tile: int, res_rows: int = 0) -> dict:
     g = out_group(config.block_n, n, out_norm, out_tile)
     if g is None:
         raise ValueError(f"{config.label()}: out_tile={out_tile} does not split its tiles (N={n})")
     # EVEN_N only matters to LayerNorm's statistics: kept False elsewhere (one specialization fewer); where
     # it is False there, the bias is the NaN-padded one (``nan_pad``), present even without a bias
     even = out_norm == LN and n % g == 0
-    return dict(HAS_BIAS=bias or nan_pad(config, n, out_norm, out_tile), HAS_RES=residual, A_NORM=a_norm, OUT_NORM=out_norm, OUT_G=g, EVEN_N=even,
-                NUM_STAGES=config.stages, NCONS=shape.ncons, B_KN=b_kn, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS)
+    return dict(HAS_BIAS=bias or nan_pad(config, n, out_norm, out_tile), HAS_RES=residual, A_NORM=a_norm,
+                OUT_NORM=out_norm, OUT_G=g, EVEN_N=even, RES_ROWS=res_rows, NUM_STAGES=config.stages, NCONS=shape.ncons, B_KN=b_kn, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS)
 
 
-_PARAMS = ("a_desc", "b_desc", "c_desc", "res_desc", "bias_ptr", "colsum_ptr", "a_stats_ptr", "stats_ptr", "M", "N",
-           "K", "a_tile", "t_out", "eps", "HAS_BIAS", "HAS_RES", "A_NORM", "OUT_NORM", "OUT_G", "EVEN_N",
-           "NUM_STAGES", "NCONS", "B_KN", "LOAD_REGS", "MMA_REGS", "num_warps")
-_N_RUNTIME = 14
+_PARAMS = ("a_desc", "b_desc", "c_desc", "res_desc", "bias_ptr", "colsum_ptr", "a_stats_ptr", "stats_ptr",
+           "res_rows_ptr", "M", "N", "K", "a_tile", "t_out", "eps", "HAS_BIAS", "HAS_RES", "A_NORM", "OUT_NORM", "OUT_G",
+           "EVEN_N", "RES_ROWS", "NUM_STAGES", "NCONS", "B_KN", "LOAD_REGS", "MMA_REGS", "num_warps")
+_N_RUNTIME = 15
 _N_DESC = 4
 
 
@@ -370,10 +391,11 @@ class DeferredPlan:
     specialization spills (never launched)."""
 
     def __init__(self, a, b_fold, bias_fold, colsum, residual, a_stats, a_eps, a_norm, a_tile, out_norm, out_tile,
-                 c, stats, config) -> None:
+                 c, stats, config, res_rows=None) -> None:
         m, k = a.shape
         n = b_fold.shape[1]
         self.config, self.a_norm, self.out_norm = config, int(a_norm), int(out_norm)
+        self.res_rows = res_rows.shape[0] if res_rows is not None else 0
         self.a_tile = int(a_tile) if a_norm != NONE else 1
         self.t_out = _t_out(n, out_norm, out_tile)
         self.eps = float(a_eps) if a_norm != NONE else 0.0
@@ -382,12 +404,12 @@ class DeferredPlan:
         bm, bn, bk = config.block_m, config.block_n, config.block_k
         self.blocks = ([bm, bk], [bk, bn] if self.kn else [bn, bk], [bm, bn], [bm, bn])
         consts = _constexprs(config, shape, n, self.kn, bias=bias_fold is not None, residual=residual is not None,
-                             a_norm=self.a_norm, out_norm=self.out_norm, out_tile=out_tile)
+                             a_norm=self.a_norm, out_norm=self.out_norm, out_tile=out_tile, res_rows=self.res_rows)
         self.nan = nan_pad(config, n, self.out_norm, out_tile)
         # without a bias, the NaN padding comes on zeros: made once (the plan's N is fixed)
         self.nan_zeros = _nan_padded(torch.zeros(n, dtype=torch.float32, device=a.device), bn) if self.nan else None
         self.consts = tuple(consts[p] for p in _PARAMS[_N_RUNTIME:-1])
-        args = self._runtime(a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, descriptors=True)
+        args = self._runtime(a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, res_rows, descriptors=True)
         compiled = L.compiled_kernel(deferred_mm_kernel, args + self.consts, 1, num_warps=shape.num_warps,
                                      maxnreg=shape.maxnreg)
         refuse_spills(compiled, config.label())
@@ -395,7 +417,8 @@ class DeferredPlan:
         self.fast = L.fast_launcher(compiled, _N_DESC, shape.num_warps, a.device)
         self.grid = min(-(-m // bm) * -(-n // bn), num_sms(a.device))
 
-    def _runtime(self, a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, descriptors: bool) -> tuple:
+    def _runtime(self, a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, res_rows, descriptors: bool
+                 ) -> tuple:
         m, k = a.shape
         n = b_fold.shape[1]
         bn = self.config.block_n
@@ -410,25 +433,28 @@ class DeferredPlan:
         colsum = padded(colsum.contiguous(), bn) if self.a_norm == LN else c
         a_stats = a_stats.contiguous() if self.a_norm != NONE else c
         stats = stats if self.out_norm != NONE else c
-        return descs + (bias_fold, colsum, a_stats, stats, m, n, k, self.a_tile, self.t_out, self.eps)
+        res_rows = res_rows.contiguous() if self.res_rows else c
+        return descs + (bias_fold, colsum, a_stats, stats, res_rows, m, n, k, self.a_tile, self.t_out, self.eps)
 
-    def __call__(self, a, b_fold, bias_fold, colsum, residual, a_stats, c, stats) -> None:
+    def __call__(self, a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, res_rows=None) -> None:
         if self.fast is not None:
-            args = self._runtime(a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, descriptors=False)
+            args = self._runtime(a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, res_rows,
+                                 descriptors=False)
             self.fast(self.grid, args[:_N_DESC], args[_N_DESC:] + self.consts)
             return
-        args = self._runtime(a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, descriptors=True)
+        args = self._runtime(a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, res_rows, descriptors=True)
         L.run(self.compiled, self.grid, args + self.consts, self.shape.num_warps)
 
 
 def deferred_mm_gluon(a, b_fold, bias_fold, colsum, residual, a_stats, a_eps, a_norm, a_tile, out_norm, out_tile, c,
-                      stats, config) -> DeferredPlan:
-    """Write (c, stats) of ``applied`` (ops/deferred_norm.py) with ``config`` (one of ``candidates``) on the
+                      stats, config, res_rows=None) -> DeferredPlan:
+    """Write (c, stats) of ``applied`` (kernels/deferred.py) with ``config`` (one of ``candidates``) on the
     folded operands into the given buffers (c [M, N] in a's dtype, stats [Q, M, T_out] fp32, 0-size without
-    output statistics). Returns the plan, which launches the same again on new tensors of the same signature."""
+    output statistics); ``res_rows``: the residual's per-row terms [1 or 3, M] fp32. Returns the plan, which
+    launches the same again on new tensors of the same signature."""
     plan = DeferredPlan(a, b_fold, bias_fold, colsum, residual, a_stats, a_eps, a_norm, a_tile, out_norm, out_tile,
-                        c, stats, config)
-    plan(a, b_fold, bias_fold, colsum, residual, a_stats, c, stats)
+                        c, stats, config, res_rows)
+    plan(a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, res_rows)
     return plan
 
 
@@ -438,7 +464,8 @@ def deferred_mm_gluon(a, b_fold, bias_fold, colsum, residual, a_stats, a_eps, a_
 
 
 def compile_offline(config, n: int, k: int, *, a_norm: int, out_norm: int, out_tile: int = 0, bias: bool,
-                    bias_fp32: bool = False, residual: bool, b_kn: bool = False, m: int = 1024, a_tile: int = 128):
+                    bias_fp32: bool = False, residual: bool, res_rows: int = 0, b_kn: bool = False, m: int = 1024,
+                    a_tile: int = 128):
     """Compile the kernel ``deferred_mm_gluon`` would launch for this config and flags, for sm_90a, on the
     CPU, with the launcher's argument types (absent tensors are c, bf16) and the JIT's specialization of these
     sizes. ``bias_fp32``: bias' is fp32 where a norm bias folds into it, else the linear's own bias (bf16)."""
@@ -450,10 +477,10 @@ def compile_offline(config, n: int, k: int, *, a_norm: int, out_norm: int, out_t
                   bias_ptr="*fp32" if (bias and bias_fp32) or (not bias and nan_pad(config, n, out_norm, out_tile))
                   else "*bf16",
                   colsum_ptr="*fp32" if a_norm == LN else "*bf16", a_stats_ptr="*fp32" if a_norm else "*bf16",
-                  stats_ptr="*fp32" if out_norm else "*bf16", M="i32", N="i32", K="i32", a_tile="i32",
+                  stats_ptr="*fp32" if out_norm else "*bf16", res_rows_ptr="*fp32" if res_rows else "*bf16", M="i32", N="i32", K="i32", a_tile="i32",
                   t_out="i32", eps="fp32")
     constexprs = _constexprs(config, shape, n, b_kn, bias=bias, residual=residual, a_norm=a_norm,
-                             out_norm=out_norm, out_tile=out_tile)
+                             out_norm=out_norm, out_tile=out_tile, res_rows=res_rows)
     constexprs["num_warps"] = shape.num_warps
     signature = {p: values.get(p, "constexpr") for p in _PARAMS}
     attrs = runtime_attrs(signature, dict(M=m, N=n, K=k, a_tile=a_tile if a_norm else 1, t_out=t_out))
@@ -477,6 +504,10 @@ OFFLINE_FLAGS = {
     # statistics still read the NaN-padded vector where a group straddles N
     "cons_ln_nores": dict(a_norm=LN, out_norm=NONE, bias=True, bias_fp32=True, residual=False),
     "chain_ln_bare": dict(a_norm=LN, out_norm=LN, bias=False, residual=False),
+    # a norm's input gradient: the GEMM of the consumers' gradients, the norm's backward in the residual's
+    # per-row terms (RMSNorm: a scale; LayerNorm: scale, center, shift)
+    "dgrad_rms": dict(a_norm=NONE, out_norm=NONE, bias=False, residual=True, res_rows=1),
+    "dgrad_ln": dict(a_norm=NONE, out_norm=NONE, bias=False, residual=True, res_rows=3),
 }
 
 
