@@ -18,10 +18,19 @@ that flattens a 3-D input's batch dims; fan-out: q/k/v, gate/up), and rewrites i
 - readers of the normalized tensor that are not linears (a residual add, an activation, the graph's output)
   keep the norm, which Inductor decomposes and fuses into them (norm(x) is then computed where it is read,
   from x);
-- in training, the consumers' weight gradients ``mm(dz^T, y)`` read y rebuilt from x and the statistics in
-  aten ops (Inductor fuses the rebuild into the norm's backward, which reads x anyway), and the norm's
-  backward reads the statistics merged from the partials: y is never saved (peak memory drops by one
-  [M, N] per site).
+- in training, where every reader of y is a linear and the norm's output gradient is the sum of their input
+  gradients, the norm's backward goes the same way (``BackwardPlan``; the algebra: kernels/deferred.py):
+  one ``deferred_mm`` multiplies the consumers' output gradients (each scaled by rstd, [g_1 g_2 ...]) by
+  their folded weights and applies the norm's backward in its epilogue, with x as its residual and the
+  per-row terms (``res_rows``) from row reductions of dh and h that Inductor fuses into the kernel computing
+  dh; the weight gradients read x (an fp32-output GEMM, centered for LayerNorm) instead of y, and the norm's
+  dgamma / dbeta come from those [N2, N] products. The norm's backward kernel, its dgamma reduction over M
+  and y itself disappear; the consumers' outputs are read in the backward instead of y (the plan is taken
+  only where they are read there anyway, or where they are no wider than y);
+- otherwise in training the consumers' weight gradients ``mm(dz^T, y)`` read y rebuilt from x and the
+  statistics in aten ops (Inductor fuses the rebuild into the norm's backward, which reads x anyway), and
+  the norm's backward reads the statistics merged from the partials: y is never saved (peak memory drops by
+  one [M, N] per site).
 
 Where the norm's row fits one tile the post-norm epilogue (``linear_norm_fwd``, order 10) gets the site first;
 Lazy Pre-Norm (``norm_linear_fwd``, 20) gets what this one leaves. Whether to defer is measured per site
@@ -40,15 +49,16 @@ from torch.fx import Node
 
 from fusenorm_inductor import config, fx_utils
 from fusenorm_inductor.fx_utils import flat_like, val
+from fusenorm_inductor.kernels import deferred as dk
 from fusenorm_inductor.ops import deferred_norm as dops
 from fusenorm_inductor.ops.norm_mm import normed
 from fusenorm_inductor.report import GraphReport
 from fusenorm_inductor.tuning.decide import Choice
-from fusenorm_inductor.tuning.deferred_norm import Site, site_choice, stats_tile
+from fusenorm_inductor.tuning.deferred_norm import Site, dgrad_unsupported, site_choice, stats_tile
 
 from .base import Pattern, bind_op_args, getitem_users, is_op, require
 from .post_norm import FLOATS
-from .views import IDENTITIES, JOINT, Gemm, GraphView, through_identities
+from .views import IDENTITIES, JOINT, Gemm, GraphView, norm_backward_partners, through_identities
 
 NORM = torch.ops.fusenorm.norm.default
 DEFERRED_MM = torch.ops.fusenorm.deferred_mm.default
@@ -69,6 +79,21 @@ class Producer:
 
 
 @dataclass
+class BackwardPlan:
+    """The norm's backward in the joint graph, replaced by the deferred algebra (module docstring): ``nb`` the
+    ``norm_backward`` node; per consumer (``DeferredMatch.consumers``' order) the GEMM that gives it its input
+    gradient (``dgrads``: mm(dh, W)), its output gradient ``dhs`` and its weight's gradient (``wgrads``: the
+    mm node and whether it is transposed, mm(y^T, dh) of a [K, N] Conv1D weight; None where no gradient of
+    the weight is taken); ``dead``: the adds and views that summed the input gradients into the norm's."""
+
+    nb: Node
+    dgrads: list[Node]
+    dhs: list[Node]
+    wgrads: list[Optional[tuple[Node, bool]]]
+    dead: list[Node]
+
+
+@dataclass
 class DeferredMatch:
     norm: Node
     args: dict[str, Any]
@@ -78,6 +103,8 @@ class DeferredMatch:
     flat: list[Node]  # the [M, N] views of y the linears read
     keeps_norm: bool  # a reader that is not a linear: the norm stays for it
     choice: Choice
+    backward: Optional[BackwardPlan] = None  # training: the norm's backward deferred too (else y is rebuilt)
+    backward_note: str = ""  # why the backward was not deferred
 
 
 class DeferredNorm(Pattern):
@@ -142,9 +169,67 @@ class DeferredNorm(Pattern):
                 "the norm's backward was not found (its statistics feed something else)")
         producer = self.producer(x, view)
         n_wgrads = len(readers) + view.implied_weight_grads([g.b for _, g in consumers])
-        choice = self.decide(args, producer, consumers, view, m, n, n_wgrads, training)
+        plan, note = None, ""
+        if view is JOINT and training:
+            plan, note = self.backward_plan(norm, args, consumers, readers, keeps_norm, bwd, n)
+        n2 = sum(val(g.node).shape[-1] for _, g in consumers) if plan is not None else 0
+        why = dgrad_unsupported(fx_utils.hinted(flat_like(xv, m, n)), n2) if plan is not None else None
+        if why is not None:
+            plan, note = None, f"the Gluon kernel cannot take its input-gradient GEMM ({why})"
+        choice = self.decide(args, producer, consumers, view, m, n, n_wgrads, training, n2)
         require(choice.fuse, choice.reason)
-        return DeferredMatch(norm, args, producer, consumers, readers, flat, keeps_norm, choice)
+        return DeferredMatch(norm, args, producer, consumers, readers, flat, keeps_norm, choice, plan, note)
+
+    def backward_plan(self, norm: Node, args: dict, consumers, readers, keeps_norm: bool, bwd: set, n: int
+                      ) -> tuple[Optional[BackwardPlan], str]:
+        """The norm's backward as the deferred algebra replaces it (``BackwardPlan``), or (None, why not)."""
+        if keeps_norm:
+            return None, "a reader of norm(x) is not a linear"
+        nbs = norm_backward_partners(norm)
+        if len(nbs) != 1:
+            return None, f"{len(nbs)} backward nodes of the norm"
+        nb = nbs[0]
+        b = bind_op_args(nb)
+        if b["src"] is not args["x"] or b["src_is_normed"] or b["dx_dtype"] != val(args["x"]).dtype:
+            return None, "the norm's backward reads something else than its input"
+        leaves, dead, todo = [], [], [b["dy"]]
+        while todo:
+            chain = [todo.pop()]
+            core = through_identities(JOINT, chain[0], chain)
+            dead.extend(chain)
+            if JOINT.is_add(core) and len(core.args) == 2 and not core.kwargs and \
+                    all(isinstance(a, Node) for a in core.args):
+                todo.extend(core.args)
+            elif is_op(core, torch.ops.aten.mm.default):
+                dead.remove(core)
+                leaves.append(core)
+            else:
+                return None, "the norm's output gradient is not the sum of its linears' input gradients"
+        allowed = set(dead) | set(leaves) | {nb}
+        if any(fx_utils.users_outside(d, allowed) for d in dead + leaves):
+            return None, "the linears' input gradients are read elsewhere too"
+        dgrads, dhs, wgrads = [], [], []
+        for _, g in consumers:
+            hit = [mm for mm in leaves if _transposed(mm.args[1]) is g.b]
+            if len(hit) != 1:
+                return None, f"no single input-gradient GEMM of the linear {g.node.name}"
+            dgrads.append(hit[0])
+            dhs.append(hit[0].args[0])
+            wgrads.append(None)
+        if len(dgrads) != len(leaves):
+            return None, "the norm's output gradient has terms besides its linears'"
+        for u, _ in readers:
+            found = _weight_gradient(u, dhs)
+            if found is None or wgrads[found[0]] is not None:
+                return None, f"a reader of norm(x) in the backward ({u.name}) is not a linear's weight gradient"
+            wgrads[found[0]] = found[1:]
+        if val(args["x"]).device.type == "cuda" and not args["is_rms"] and not hasattr(torch.ops.aten.mm, "dtype"):
+            return None, "this torch has no fp32-output GEMM for LayerNorm's centered weight gradients"
+        # Memory: the consumers' outputs are read in the backward instead of y.
+        extra = sum(val(g.node).shape[-1] for _, g in consumers if not _read_in_backward(g.node, bwd))
+        if extra and (not readers or extra > n):
+            return None, "it would keep the linears' outputs for the backward, more than the norm(x) it saves"
+        return BackwardPlan(nb, dgrads, dhs, wgrads, dead), ""
 
     def producer(self, x: Node, view: GraphView) -> Optional[Producer]:
         """The GEMM that can write the statistics (module docstring), else None (statistics in aten ops)."""
@@ -186,7 +271,8 @@ class DeferredNorm(Pattern):
         return None
 
     def decide(self, args, producer: Optional[Producer], consumers, view: GraphView, m, n: int, n_wgrads: int,
-               training: bool) -> Choice:
+               training: bool, dgrad: int = 0) -> Choice:
+        """``dgrad``: the width of the input-gradient GEMM's operand where the backward is deferred too (0: not)."""
         xv = fx_utils.hinted(flat_like(val(args["x"]), m, n))
         code = dops.RMS if args["is_rms"] else dops.LN
         prod = None
@@ -203,7 +289,7 @@ class DeferredNorm(Pattern):
                     (d["a_eps"], d["a_norm"], d["a_tile"])
         cons = [view.gemm_values(g)[1:] for _, g in consumers]
         site = Site(xv, prod, cons, val(args["weight"]), val(args["bias"]), args["eps"], code, n_wgrads,
-                    cache=_cache_fold(training))
+                    cache=_cache_fold(training), dgrad=dgrad)
         return site_choice(site)
 
     # ---- rewrite ---------------------------------------------------------------------------------------
@@ -224,6 +310,7 @@ class DeferredNorm(Pattern):
             with graph.inserting_before(norm):
                 x2 = fx_utils.reshape(graph, args["x"], [rows, n])
                 stats = fx_utils.inline(graph, lambda t: dops.partial_stats(t, code, n), [x2])
+        houts = []  # the consumers' outputs [M, N2]
         for u, g in m.consumers:
             with graph.inserting_before(u):
                 fused = fx_utils.call(graph, DEFERRED_MM, x2, g.b, g.bias, None, stats, args["weight"], args["bias"],
@@ -231,6 +318,7 @@ class DeferredNorm(Pattern):
                 out = fx_utils.getitems(graph, fused, 1)[0]
             u.replace_all_uses_with(out)
             graph.erase_node(u)
+            houts.append(out)
         outs = getitem_users(norm)
         needs_stats = bool(m.readers) or any(outs.get(i) for i in (1, 2))
         mean = rstd = None
@@ -241,7 +329,9 @@ class DeferredNorm(Pattern):
                 with graph.inserting_before(norm):
                     mean, rstd = fx_utils.inline(graph, lambda s: dops.merge_stats(s, n, tile, args["eps"], code),
                                                  [stats])
-        for u, inp in m.readers:
+        if m.backward is not None:
+            self.rewrite_backward(graph, m, x2, houts, mean, rstd)
+        for u, inp in ([] if m.backward is not None else m.readers):
             # norm(x) rebuilt from x and the statistics in aten ops, in the backward: Inductor fuses it into
             # the norm's backward kernel, which reads x anyway, so the rebuild costs one write of norm(x)
             # where the unfused forward wrote it and the partitioner saved it.
@@ -269,6 +359,58 @@ class DeferredNorm(Pattern):
             graph.erase_node(norm)
         fx_utils.stable_toposort(graph)
         self.report(m, rep, rows, n, tile)
+
+    def rewrite_backward(self, graph: fx.Graph, m: DeferredMatch, x2: Node, houts: list, mean: Node, rstd: Node
+                         ) -> None:
+        """The norm's backward, its linears' input-gradient GEMMs and their weight gradients replaced by the
+        deferred algebra (module docstring; ``BackwardPlan``)."""
+        plan, args = m.backward, m.args
+        code = dops.RMS if args["is_rms"] else dops.LN
+        dtype = val(x2).dtype
+        gamma, beta = args["weight"], args["bias"]
+        ws = [mm.args[1] for mm in plan.dgrads]  # each linear's weight as [N2, N] (the input gradient's operand)
+        with graph.inserting_before(plan.nb):
+            gs, folds, rows = fx_utils.inline(
+                graph, lambda dhs, hs, bs, biases, r, mu, w, b: dk.consumer_gradients(dhs, hs, bs, biases, r, mu, w, b,
+                                                                                      code, dtype),
+                [plan.dhs, houts, [g.b for _, g in m.consumers], [g.bias for _, g in m.consumers], rstd, mean, gamma,
+                 beta])
+            cat = torch.ops.aten.cat.default
+            a = gs[0] if len(gs) == 1 else fx_utils.call(graph, cat, gs, 1)
+            b = folds[0] if len(folds) == 1 else fx_utils.call(graph, cat, folds, 0)
+            fused = fx_utils.call(graph, DEFERRED_MM, a, b, None, x2, None, None, None, 0.0, dops.NONE, 0, dops.NONE, 0,
+                                  False, rows)
+            dx = fx_utils.getitems(graph, fused, 1)[0]
+            dgamma, dbeta = [], []
+            for i, (g, dh, w, wg) in enumerate(zip(gs, plan.dhs, ws, plan.wgrads)):
+                dw, dg, db = fx_utils.inline(
+                    graph, lambda g, dh, x, mu, w, gm, bt, want=wg is not None: dk.consumer_weight_gradient(
+                        g, dh, x, mu, w, gm, bt, code, want), [g, dh, x2, mean, w, gamma, beta])
+                dgamma.append(dg)
+                dbeta.append(db)
+                if wg is not None:
+                    mm, transposed = wg
+                    mm.replace_all_uses_with(fx_utils.call(graph, torch.ops.aten.permute.default, dw, [1, 0])
+                                           if transposed else dw)
+                    operands = [a for a in mm.args if isinstance(a, Node)]
+                    graph.erase_node(mm)
+                    fx_utils.erase_if_unused(graph, operands)  # the transposes that fed it
+            grads = {0: dx}
+            for idx, parts in ((1, dgamma), (2, dbeta)):
+                if parts[0] is not None:
+                    grads[idx] = parts[0] if len(parts) == 1 else fx_utils.inline(graph, lambda *ps: sum(ps), parts)
+            for idx, gis in getitem_users(plan.nb).items():
+                for gi in gis:
+                    if idx == 0:
+                        new = fx_utils.reshape(graph, dx, val(gi).shape)
+                    elif idx in grads:
+                        new = grads[idx]
+                    else:  # the 0-size gradient of an absent weight / bias
+                        new = fx_utils.inline(graph, lambda r: r.new_empty((0,)), [rstd])
+                    gi.replace_all_uses_with(new)
+                    graph.erase_node(gi)
+        graph.erase_node(plan.nb)
+        fx_utils.erase_if_unused(graph, plan.dead + plan.dgrads)
 
     def rewrite_producer(self, graph: fx.Graph, p: Producer, code: int, tile: int, rows, n: int
                          ) -> tuple[Node, Node]:
@@ -315,17 +457,72 @@ class DeferredNorm(Pattern):
         else:
             made = f"statistics: written by {p.deferred.name} (a GEMM that applies the previous norm: a chain)"
         consumers = ", ".join(u.name for u, _ in m.consumers)
+        if m.backward is not None:
+            backward = ("backward deferred: one GEMM of the linears' output gradients applies the norm's backward in "
+                        "its epilogue, the weight gradients read x")
+        else:
+            backward = f"weight gradients reading norm(x) rebuilt from x and the statistics in the backward={len(m.readers)}"
+            if m.backward_note:
+                backward += f" (backward not deferred: {m.backward_note})"
         affine = args["weight"] is not None or args["bias"] is not None
         rep.rewrite(
             self.name, self.stage, [m.norm.name] + [u.name for u, _ in m.consumers],
             {"M": rows, "N": n, "tile": tile, "x": list(val(args["x"]).shape)}, val(args["x"]).dtype,
             f"deferred norm [{m.choice.config}]: {m.choice.reason}",
             f"{'RMSNorm' if args['is_rms'] else 'LayerNorm'}, affine={'yes' if affine else 'no'}; {made}; applied "
-            f"in the epilogue of {len(m.consumers)} linear(s) ({consumers}); weight gradients reading norm(x) rebuilt "
-            f"from x and the statistics in the backward={len(m.readers)}; "
+            f"in the epilogue of {len(m.consumers)} linear(s) ({consumers}); {backward}; "
             f"{'the norm stays for readers that are not linears (fused into them by Inductor)' if m.keeps_norm else 'norm(x) never written'}"
             f"{fx_utils.dynamic_note(rows, m.choice.t_fused_ms is not None)}",
         )
+
+
+def _transposed(n: Any) -> Any:
+    """The input of a 2-D transpose node, else None."""
+    if is_op(n, torch.ops.aten.t.default):
+        return n.args[0]
+    if is_op(n, torch.ops.aten.permute.default) and list(n.args[1]) == [1, 0]:
+        return n.args[0]
+    if is_op(n, torch.ops.aten.transpose.int) and sorted(a % 2 for a in n.args[1:3]) == [0, 1]:
+        return n.args[0]
+    return None
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    return through_identities(JOINT, a) is through_identities(JOINT, b)
+
+
+def _weight_gradient(u: Node, dhs: list) -> Optional[tuple[int, Node, bool]]:
+    """(which consumer, the mm node, transposed) where ``u``, a backward reader of y, is a linear's weight
+    gradient: mm(dh^T, y), or a transpose of y read only by mm(y^T, dh) (a [K, N] Conv1D weight)."""
+    mm = torch.ops.aten.mm.default
+    if is_op(u, mm):
+        for i, dh in enumerate(dhs):
+            if _same_value(_transposed(u.args[0]), dh):
+                return i, u, False
+        return None
+    if _transposed(u) is not None and len(u.users) == 1:
+        w = next(iter(u.users))
+        if is_op(w, mm) and w.args[0] is u:
+            for i, dh in enumerate(dhs):
+                if _same_value(w.args[1], dh):
+                    return i, w, True
+    return None
+
+
+def _read_in_backward(node: Node, bwd: set, limit: int = 64) -> bool:
+    """Whether the backward reads ``node``'s value, directly or through views and pointwise ops of the forward
+    (an activation's backward formula, which the partitioner recomputes from its input): it is kept for the
+    backward anyway."""
+    todo, seen = [node], set()
+    while todo and len(seen) < limit:
+        for u in todo.pop().users:
+            if u in bwd:
+                return True
+            pointwise = isinstance(u.target, torch._ops.OpOverload) and torch.Tag.pointwise in u.target.tags
+            if (pointwise or is_op(u, *IDENTITIES)) and u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return False
 
 
 def _cache_fold(training: bool) -> bool:

@@ -26,8 +26,8 @@ from .. import config
 from . import baseline, measure
 from .decide import Choice, _choice, gluon_off
 
-__all__ = ["deferred_candidates", "deferred_config", "deferred_key", "gluon_unsupported", "site_choice",
-           "stats_tile"]
+__all__ = ["deferred_candidates", "deferred_config", "deferred_key", "dgrad_unsupported", "gluon_unsupported",
+           "site_choice", "stats_tile"]
 
 STATS_TILE = 128  # the narrowest N tile the Gluon candidates use where rows are wider than it
 
@@ -48,6 +48,15 @@ def gluon_unsupported(a: Tensor, b: Tensor, residual: Optional[Tensor], out_norm
     from ..kernels.hopper import deferred_mm as hopper
 
     return hopper.unsupported(a, b, residual, out_norm, out_tile)
+
+
+def dgrad_unsupported(x: Tensor, width: int) -> Optional[str]:
+    """Why the Gluon kernel cannot take the input-gradient GEMM of a deferred norm's backward (the consumers'
+    scaled gradients [M, width] times their folded weights [width, N], x [M, N] the residual); None when it
+    can, or off CUDA (the reference runs there)."""
+    if x.device.type != "cuda":
+        return None
+    return gluon_unsupported(x.new_empty((x.shape[0], width)), x.new_empty((width, x.shape[1])), x, 0, 0)
 
 
 def deferred_candidates(a: Tensor, b: Tensor, out_tile: int) -> list:
@@ -82,12 +91,14 @@ class Site:
     ``producer``: the deferred_mm arguments of the GEMM whose epilogue writes the statistics (None where the
     norm's input comes from pointwise code), ``consumers``: (b, bias) of each GEMM that applies the norm,
     ``x``: the norm's input [M, N]; the norm's (weight, bias, eps, code); ``wgrads``: weight gradients that
-    read norm(x) rebuilt in the backward (training); ``cache``: whether the fold is kept between calls."""
+    read norm(x) rebuilt in the backward (training); ``cache``: whether the fold is kept between calls;
+    ``dgrad``: training with the norm's backward deferred too, the width of its input-gradient GEMM's operand
+    (the consumers' outputs together; 0: the backward stays Inductor's, with norm(x) rebuilt)."""
 
-    def __init__(self, x, producer, consumers, weight, norm_bias, eps, norm, wgrads, cache):
+    def __init__(self, x, producer, consumers, weight, norm_bias, eps, norm, wgrads, cache, dgrad=0):
         self.x, self.producer, self.consumers = x, producer, consumers
         self.weight, self.norm_bias, self.eps, self.norm = weight, norm_bias, eps, norm
-        self.wgrads, self.cache = wgrads, cache
+        self.wgrads, self.cache, self.dgrad = wgrads, cache, dgrad
 
     def key(self) -> tuple:
         p = self.producer
@@ -95,7 +106,7 @@ class Site:
         return ("deferred_site", self.x.device, measure.spec(self.x, rows=True), prod,
                 tuple((measure.spec(b), measure.spec(bias)) for b, bias in self.consumers),
                 measure.spec(self.weight), measure.spec(self.norm_bias), int(self.norm), int(self.wgrads),
-                bool(self.cache))
+                bool(self.cache), int(self.dgrad))
 
 
 def site_choice(site: Site) -> Choice:
@@ -140,13 +151,19 @@ def _measure_site(site: Site) -> dict:
             ra, rb, rbias, rres = measure.real_gemm_operands(a, b, bias, residual)
             ra_stats = op.partial_stats(ra, a_norm, a_tile) if a_norm else None
             calls.append((ra, rb, rbias, rres, ra_stats, like(nw, dev), like(nb, dev), a_eps, a_norm, a_tile, norm,
-                          tile, site.cache))
+                          tile, site.cache, None))
         for b, bias in site.consumers:
             _, rb, rbias = measure.real_gemm_operands(x, b, bias)
-            calls.append((rx, rb, rbias, None, stats, rw, rnb, site.eps, norm, tile, 0, 0, site.cache))
+            calls.append((rx, rb, rbias, None, stats, rw, rnb, site.eps, norm, tile, 0, 0, site.cache, None))
+        if site.dgrad:
+            # the backward's GEMM of the consumers' scaled gradients, the norm's backward in its epilogue
+            rows = torch.randn((1 if norm == 1 else 3, m), device=dev)
+            ga = torch.randn((m, site.dgrad), device=dev).to(x.dtype)
+            calls.append((ga, torch.randn((site.dgrad, n), device=dev).to(x.dtype), None, rx, None, None, None, 0.0,
+                          0, 0, 0, 0, False, rows))
         t_fused, labels, best_all, hosts = 0.0, {}, [], []
         for args in calls:
-            key = deferred_key(*args[:7], args[8], args[10], args[11])
+            key = deferred_key(*args[:7], args[8], args[10], args[11], args[13])
             best, times = measure.time_candidates(
                 deferred_candidates(args[0], args[1], args[11]),
                 lambda c, args=args: op.launch(args, c, _alloc))
@@ -160,24 +177,39 @@ def _measure_site(site: Site) -> dict:
                 lambda args=args, best=best, made=made: made[0](*args) if made else op.launch(args, best, _alloc, made),
                 times[best]))
             labels.update({f"GEMM {len(best_all)}: {c.label()}": t for c, t in times.items()})
-        t_gemms = sum(measure.gemm_ms(c[0], c[1], c[2]) for c in calls)
+        forward = calls[:-1] if site.dgrad else calls
+        t_gemms = sum(measure.gemm_ms(c[0], c[1], c[2]) for c in forward)
         # What the unfused norm adds to the GEMMs, in [M, N] passes at copy speed: after a GEMM, a kernel that
         # reads x and writes n (with a residual add, it reads the GEMM's output and the residual and writes x
         # too); after pointwise code, the write of n, in the kernel that computes x anyway.
         passes = 1 if site.producer is None else (4 if site.producer[3] is not None else 2)
         t_norm = measure.norm_proxy_ms(m, n, x.dtype, passes, x.device)
-        # norm(x) rebuilt in the backward for the weight gradients: one write, fused into the norm's backward
-        t_rebuild = measure.norm_proxy_ms(m, n, x.dtype, 1, x.device) if site.wgrads else 0.0
-        if t_norm is None or t_rebuild is None:
+        t_bwd = 0.0  # what the unfused backward pays that the fused one does not run at all
+        if site.dgrad:
+            # The backward: the fused side's GEMM is timed above, plus its operand's write (the scaled
+            # gradients); the unfused side runs cuBLAS's input-gradient GEMMs and the norm's backward kernel
+            # (read dy and x, write dx: three passes).
+            t_extra = measure.norm_proxy_ms(m, site.dgrad, x.dtype, 1, x.device)
+            t_bwd = measure.norm_proxy_ms(m, n, x.dtype, 3, x.device)
+            if t_bwd is not None:
+                t_bwd += sum(measure.gemm_ms(torch.randn((m, b.shape[1]), device=dev).to(x.dtype),
+                                             torch.randn((b.shape[1], n), device=dev).to(x.dtype), None)
+                             for b, _ in site.consumers)
+        else:
+            # norm(x) rebuilt in the backward for the weight gradients: one write, fused into the norm's backward
+            t_extra = measure.norm_proxy_ms(m, n, x.dtype, 1, x.device) if site.wgrads else 0.0
+        if t_norm is None or t_extra is None or t_bwd is None:
             t_est = None
         else:
-            t_est = t_gemms + t_norm
-            t_fused += t_rebuild
+            t_est = t_gemms + t_norm + t_bwd
+            t_fused += t_extra
         built = None
         if site.producer is not None:
             built = baseline.norm_site_fn(*calls[0][:4], rw, rnb, site.eps, norm == 1,
-                                          [(c[1], c[2]) for c in calls[1:]])
+                                          [(c[1], c[2]) for c in calls[1:len(forward)]])
         ind = baseline.time_compiled(*built, "norm site") if built is not None and baseline.enabled(x.device) else None
+        if ind is not None and site.dgrad:
+            ind = None if t_bwd is None else (ind[0] + t_bwd, ind[1])
     best = best_all[0]
     h_fused = None if None in hosts else sum(hosts)
     entry = measure.make_entry(best, {best: t_fused}, t_est, h_fused, ind)
