@@ -335,6 +335,16 @@ class Chain(nn.Module):
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("shape", [(257, 40), (3, 86, 40)], ids=["2d", "3d"])
 def test_training_defers_the_backward(norm, affine, bias, shape):
+    _defers_the_backward(norm, affine, bias, shape, 0.0)
+
+
+def test_training_defers_the_backward_at_a_large_mean():
+    """LayerNorm's rows at |mean| / std ~ 1000: the centered weight gradient and the epilogue's (x - mean)
+    keep the gradients as close to eager's as at mean 0."""
+    _defers_the_backward("ln", True, True, (257, 40), 1000.0)
+
+
+def _defers_the_backward(norm, affine, bias, shape, mean):
     """The norm's backward deferred (one GEMM applies it in its epilogue; the weight gradients read x): the
     gradients of every parameter and of x match eager's, and no norm backward is left in the graph."""
     import torch._inductor.config as inductor_config
@@ -344,6 +354,8 @@ def test_training_defers_the_backward(norm, affine, bias, shape):
     if norm == "ln":
         with torch.no_grad():
             m.a.weight.add_(2.0 / 40)  # rows with a mean: LayerNorm's centering at work
+            if bias:
+                m.a.bias.add_(mean)
     x = torch.randn(*shape, requires_grad=True)
     target = torch.randn(*shape[:-1], 24)
     graphs = []
@@ -605,10 +617,37 @@ def test_tower_on_cuda_deferred(norm, training):
     ref = ref_m(xr)
     torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
     if training:
+        assert all("backward deferred" in r.detail for r in _rewrites(rep)), rep
         out.float().square().sum().backward()
         ref.square().sum().backward()
         for p, r in zip(m.parameters(), ref_m.parameters()):
             torch.testing.assert_close(p.grad.float(), r.grad, rtol=5e-2, atol=5e-2 * r.grad.abs().max().item())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("norm", ["ln", "rms"])
+def test_chain_training_on_cuda(norm):
+    """A training step of linear -> norm -> linear (MSE inside the graph) in bf16 on the GPU, deferral forced:
+    the backward's GEMM with the norm's backward in its epilogue, at rows of mean 100 for LayerNorm (bf16's
+    8-bit mantissa holds little more), against the fp32 model."""
+    torch.manual_seed(17)
+    m = _params_normal(Chain(norm, True, True, d_in=64, d=264, d_out=136)).cuda().bfloat16()
+    if norm == "ln":
+        with torch.no_grad():
+            m.a.bias.add_(100.0)
+    x = torch.randn(3, 87, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randn(3, 87, 136, device="cuda", dtype=torch.bfloat16)
+    out, rep = _compiled(m, x, target, training=True, **{"tuning.measure": False})
+    (r,) = _rewrites(rep)
+    assert "backward deferred" in r.detail, r.detail
+    ref_m = copy.deepcopy(m).float()
+    xr = x.detach().float().requires_grad_()
+    ref = ref_m(xr, target.float())
+    out.float().backward()
+    ref.backward()
+    torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=0.0)
+    for p, q in zip(list(m.parameters()) + [x], list(ref_m.parameters()) + [xr]):
+        torch.testing.assert_close(p.grad.float(), q.grad, rtol=5e-2, atol=5e-2 * q.grad.abs().max().item())
 
 
 def _norm_then_linear(n, device):
