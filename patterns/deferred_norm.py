@@ -370,10 +370,14 @@ class DeferredNorm(Pattern):
         gamma, beta = args["weight"], args["bias"]
         ws = [mm.args[1] for mm in plan.dgrads]  # each linear's weight as [N2, N] (the input gradient's operand)
         with graph.inserting_before(plan.nb):
+            hdots = []
+            for dh, h in zip(plan.dhs, houts):
+                hdots.append(fx_utils.inline(graph, dk.output_dot, [dh, h]))
+                hdots[-1].meta[HDOT] = True  # a later site may find it is a tower's (``_tower_dots``)
             gs, folds, rows = fx_utils.inline(
-                graph, lambda dhs, hs, bs, biases, r, mu, w, b: dk.consumer_gradients(dhs, hs, bs, biases, r, mu, w, b,
+                graph, lambda dhs, hd, bs, biases, r, mu, w, b: dk.consumer_gradients(dhs, hd, bs, biases, r, mu, w, b,
                                                                                       code, dtype),
-                [plan.dhs, houts, [g.b for _, g in m.consumers], [g.bias for _, g in m.consumers], rstd, mean, gamma,
+                [plan.dhs, hdots, [g.b for _, g in m.consumers], [g.bias for _, g in m.consumers], rstd, mean, gamma,
                  beta])
             cat = torch.ops.aten.cat.default
             a = gs[0] if len(gs) == 1 else fx_utils.call(graph, cat, gs, 1)
@@ -381,6 +385,7 @@ class DeferredNorm(Pattern):
             fused = fx_utils.call(graph, DEFERRED_MM, a, b, None, x2, None, None, None, 0.0, dops.NONE, 0, dops.NONE, 0,
                                   False, rows)
             dx = fx_utils.getitems(graph, fused, 1)[0]
+            self._tower_dots(graph, plan.nb, x2, args["eps"], rows)
             dgamma, dbeta = [], []
             for i, (g, dh, w, wg) in enumerate(zip(gs, plan.dhs, ws, plan.wgrads)):
                 dw, dg, db = fx_utils.inline(
@@ -411,6 +416,22 @@ class DeferredNorm(Pattern):
                     graph.erase_node(gi)
         graph.erase_node(plan.nb)
         fx_utils.erase_if_unused(graph, plan.dead + plan.dgrads)
+
+    def _tower_dots(self, graph: fx.Graph, nb: Node, x2: Node, eps: float, rows: Node) -> None:
+        """An earlier site's ``output_dot`` of this norm's input gradient with this norm's input (a tower: the
+        earlier site's consumer produced x, and this norm's gradient is all of its output gradient) replaced
+        by ``tower_dot`` of this backward's per-row terms: that reduction then reads neither."""
+        dxs = set(getitem_users(nb).get(0, []))
+        x = through_identities(JOINT, x2)
+        n = val(x2).shape[-1]
+        for node in list(graph.nodes):
+            if not node.meta.get(HDOT):
+                continue
+            ops = _dot_operands(node)
+            if ops is None or through_identities(JOINT, ops[0]) not in dxs or through_identities(JOINT, ops[1]) is not x:
+                continue
+            node.replace_all_uses_with(fx_utils.inline(graph, lambda r: dk.tower_dot(r, eps, n), [rows]))
+            fx_utils.erase_if_unused(graph, [node])
 
     def rewrite_producer(self, graph: fx.Graph, p: Producer, code: int, tile: int, rows, n: int
                          ) -> tuple[Node, Node]:
@@ -474,6 +495,18 @@ class DeferredNorm(Pattern):
             f"{'the norm stays for readers that are not linears (fused into them by Inductor)' if m.keeps_norm else 'norm(x) never written'}"
             f"{fx_utils.dynamic_note(rows, m.choice.t_fused_ms is not None)}",
         )
+
+
+HDOT = "fusenorm_output_dot"  # node.meta key: the sum of an ``output_dot`` inlined by a deferred backward
+_CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+
+
+def _dot_operands(node: Node) -> Optional[tuple[Any, Any]]:
+    """(dh, h) of an inlined ``output_dot``: sum(mul(dh [cast], h [cast]), [-1]); None if it is not that."""
+    if not (is_op(node, torch.ops.aten.sum.dim_IntList) and is_op(node.args[0], torch.ops.aten.mul.Tensor)):
+        return None
+    ops = [a.args[0] if is_op(a, *_CASTS) else a for a in node.args[0].args]
+    return (ops[0], ops[1]) if len(ops) == 2 else None
 
 
 def _transposed(n: Any) -> Any:

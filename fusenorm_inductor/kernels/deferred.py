@@ -118,21 +118,37 @@ def applied(a, b, bias, colsum, residual, a_stats, a_eps, a_norm, a_tile, out_no
 # The weight gradient reads x, never norm(x): dW = (g^T @ x - [LayerNorm] (g^T mean) 1^T) * gamma + colsum(dh)
 # beta^T, and the norm's own parameter gradients follow from the same [N2, N] product:
 # dgamma = sum_j W_jk * (dh^T xhat)_jk, dbeta = colsum(dh) @ W.
+# In a tower h is the next norm's input and dh that norm's input gradient, which a norm makes orthogonal to
+# its input up to eps: sum_j dh_j h_j = eps * rstd'^2 * B' = -eps' * N' * scale' from the next norm's own
+# per-row scale (``tower_dot``), so the B reduction need not read h at all there.
 
 
-def consumer_gradients(dhs, outs, bs, biases, rstd, mean, gamma, beta, norm: int, dtype):
-    """For the consumers (their output gradients ``dhs`` [M, N2_i], outputs ``outs``, forward operands ``bs``
-    [N, N2_i] and biases): (the GEMM's operands g_i = dh_i * rstd and W'_i^T, the residual's per-row terms
-    [1 or 3, M]) of the norm's input gradient (see above). fp32 terms; the operands in ``dtype``."""
+def output_dot(dh: Tensor, h: Tensor) -> Tensor:
+    """sum_j dh_j h_j per row (fp32): the part of B that reads the consumer's output."""
+    return (dh.float() * h.float()).sum(-1)
+
+
+def tower_dot(res_rows: Tensor, eps: float, n: int) -> Tensor:
+    """``output_dot`` where dh is a deferred norm's input gradient and h that norm's input (see above), from
+    the norm's backward's per-row terms."""
+    return -eps * n * res_rows[0]
+
+
+def consumer_gradients(dhs, hdots, bs, biases, rstd, mean, gamma, beta, norm: int, dtype):
+    """For the consumers (their output gradients ``dhs`` [M, N2_i], ``hdots`` = ``output_dot`` of each with its
+    output, forward operands ``bs`` [N, N2_i] and biases): (the GEMM's operands g_i = dh_i * rstd and W'_i^T,
+    the residual's per-row terms [1 or 3, M]) of the norm's input gradient (see above). fp32 terms; the
+    operands in ``dtype``."""
     n = bs[0].shape[0]
     r = rstd.unsqueeze(-1)
     dots = sums = 0.0
     gs, ws = [], []
-    for dh, out, b, bias in zip(dhs, outs, bs, biases):
+    for dh, hdot, b, bias in zip(dhs, hdots, bs, biases):
         b_f, bias_f, colsum = fold_norm_affine(b, bias, gamma, beta, dtype, norm == RMS)
         dhf = dh.float()
-        term = out.float() - bias_f.float() if bias_f is not None else out.float()
-        dots = dots + (dhf * term).sum(-1)
+        dots = dots + hdot
+        if bias_f is not None:
+            dots = dots - (dhf * bias_f.float()).sum(-1)
         if norm == LN:
             sums = sums + (dhf * colsum).sum(-1)
         gs.append((dhf * r).to(dtype))
