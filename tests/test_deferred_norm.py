@@ -763,6 +763,21 @@ def test_site_measurement_plumbing(monkeypatch):
     assert [k[0] for k, _ in stored] == ["deferred_mm"] * 3
     assert all(e["config"] == list(cands[0]) for _, e in stored)
     assert stored[0][0] == tuning.deferred_key(a, wp, None, res, None, None, None, 0, LN, tuning.stats_tile(40))
+    # training with the backward deferred: its GEMM (the two consumers' gradients side by side, x the
+    # residual, LayerNorm's three per-row terms) is timed and stored under its launches' key; the fused side
+    # adds the write of its operand, the unfused side cuBLAS's two input-gradient GEMMs and the norm's backward
+    launched.clear()
+    stored.clear()
+    site = tuning.Site(x, producer, consumers, torch.randn(40), torch.randn(40), 1e-5, LN, wgrads=2, cache=False,
+                       dgrad=40)
+    entry = tuning._measure_site(site)
+    assert len(launched) == 2 * 4
+    assert entry["t_fused_ms"] == pytest.approx(4 * 1.0 + 0.5)
+    assert entry["t_unfused_ms"] == pytest.approx(3 * 1.0 + 0.5 + (0.5 + 2 * 1.0))
+    key = stored[3][0]
+    assert key[-1] == 3 and key[3] == measure.spec(torch.empty(40, 40)) and key[5] == measure.spec(x)
+    assert tuning.Site(x, producer, consumers, None, None, 1e-5, LN, 2, False, dgrad=40).key() != \
+        tuning.Site(x, producer, consumers, None, None, 1e-5, LN, 2, False).key()
 
 
 def test_site_decision_uses_the_deferral_margin(monkeypatch):
