@@ -54,7 +54,7 @@ from fusenorm_inductor.ops import deferred_norm as dops
 from fusenorm_inductor.ops.norm_mm import normed
 from fusenorm_inductor.report import GraphReport
 from fusenorm_inductor.tuning.decide import Choice
-from fusenorm_inductor.tuning.deferred_norm import Site, dgrad_unsupported, site_choice, stats_tile
+from fusenorm_inductor.tuning.deferred_norm import Site, dgrad_unsupported, fp32_output_gemm, site_choice, stats_tile
 
 from .base import Pattern, bind_op_args, getitem_users, is_op, require
 from .post_norm import FLOATS
@@ -223,7 +223,8 @@ class DeferredNorm(Pattern):
             if found is None or wgrads[found[0]] is not None:
                 return None, f"a reader of norm(x) in the backward ({u.name}) is not a linear's weight gradient"
             wgrads[found[0]] = found[1:]
-        if val(args["x"]).device.type == "cuda" and not args["is_rms"] and not hasattr(torch.ops.aten.mm, "dtype"):
+        xv = val(args["x"])
+        if not args["is_rms"] and not fp32_output_gemm(xv.device, xv.dtype):
             return None, "this torch has no fp32-output GEMM for LayerNorm's centered weight gradients"
         # Memory: the consumers' outputs are read in the backward instead of y.
         extra = sum(val(g.node).shape[-1] for _, g in consumers if not _read_in_backward(g.node, bwd))
@@ -368,6 +369,7 @@ class DeferredNorm(Pattern):
         code = dops.RMS if args["is_rms"] else dops.LN
         dtype = val(x2).dtype
         gamma, beta = args["weight"], args["bias"]
+        fp32_out = fp32_output_gemm(val(x2).device, dtype)
         ws = [mm.args[1] for mm in plan.dgrads]  # each linear's weight as [N2, N] (the input gradient's operand)
         with graph.inserting_before(plan.nb):
             hdots = []
@@ -390,7 +392,7 @@ class DeferredNorm(Pattern):
             for i, (g, dh, w, wg) in enumerate(zip(gs, plan.dhs, ws, plan.wgrads)):
                 dw, dg, db = fx_utils.inline(
                     graph, lambda g, dh, x, mu, w, gm, bt, want=wg is not None: dk.consumer_weight_gradient(
-                        g, dh, x, mu, w, gm, bt, code, want), [g, dh, x2, mean, w, gamma, beta])
+                        g, dh, x, mu, w, gm, bt, code, want, fp32_out), [g, dh, x2, mean, w, gamma, beta])
                 dgamma.append(dg)
                 dbeta.append(db)
                 if wg is not None:

@@ -388,6 +388,21 @@ def test_training_fan_out_defers_the_backward():
     _check_gradients(m, [x, h], (xs, out), loss=lambda o: o[0].square().sum() + o[1].square().sum())
 
 
+def test_layernorm_backward_needs_an_fp32_output_gemm(monkeypatch):
+    """Where the torch cannot give a 16-bit GEMM an fp32 result, LayerNorm's backward is not deferred (its
+    centered weight gradient would cancel in 16 bits): the rebuild design, and the report says why."""
+    import fusenorm_inductor.patterns.deferred_norm as pattern
+
+    monkeypatch.setattr(pattern, "fp32_output_gemm", lambda device, dtype: False)
+    torch.manual_seed(18)
+    m = _params_normal(Chain("ln", True, True))
+    x, target = torch.randn(257, 40, requires_grad=True), torch.randn(257, 24)
+    out, rep = _compiled(m, x, target, training=True)
+    (r,) = _rewrites(rep)
+    assert "backward not deferred: this torch has no fp32-output GEMM" in r.detail, r.detail
+    _check_gradients(m, [x, target], out, loss=lambda o: o)
+
+
 def test_training_keeps_the_backward_for_a_pointwise_reader():
     """A norm also read by a pointwise op: its backward stays (y rebuilt for the weight gradient), and the
     report says why."""

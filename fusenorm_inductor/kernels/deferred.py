@@ -158,18 +158,20 @@ def consumer_gradients(dhs, hdots, bs, biases, rstd, mean, gamma, beta, norm: in
     return gs, ws, torch.stack(rows)
 
 
-def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b with an fp32 result: 16-bit operands on CUDA through cuBLAS's fp32 output, else in fp32."""
+def mm_fp32(a: Tensor, b: Tensor, fp32_out: bool = True) -> Tensor:
+    """a @ b as fp32: 16-bit operands on CUDA through cuBLAS's fp32 output (``fp32_out``: where the torch has
+    it), else rounded to their dtype and widened (``fp32_out`` False) or, off CUDA, multiplied in fp32."""
     if a.device.type == "cuda" and a.dtype in (torch.float16, torch.bfloat16) and a.dtype == b.dtype:
-        return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a, b, out_dtype=torch.float32) if fp32_out else torch.mm(a, b).float()
     return a.float() @ b.float()
 
 
-def consumer_weight_gradient(g, dh, x, mean, w, gamma, beta, norm: int, want_wgrad: bool):
+def consumer_weight_gradient(g, dh, x, mean, w, gamma, beta, norm: int, want_wgrad: bool, fp32_out: bool = True):
     """(dW [N2, N] in dh's dtype (None unless ``want_wgrad``), this consumer's share of dgamma and dbeta
     (fp32 [N], None where the norm has no weight / bias)) from g = dh * rstd, the norm's input x [M, N], its
-    mean and the consumer's weight w [N2, N] (see above)."""
-    t = mm_fp32(g.t(), x)
+    mean and the consumer's weight w [N2, N] (see above). ``fp32_out``: ``mm_fp32``'s; LayerNorm needs it (its
+    centering cancels |mean| / std digits of a 16-bit product)."""
+    t = mm_fp32(g.t(), x, fp32_out)
     if norm == LN:
         t = t - (g.float() * mean.unsqueeze(-1)).sum(0).unsqueeze(-1)
     col = dh.float().sum(0) if beta is not None else None

@@ -17,6 +17,7 @@ site is deferred at all.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -26,8 +27,8 @@ from .. import config
 from . import baseline, measure
 from .decide import Choice, _choice, gluon_off
 
-__all__ = ["deferred_candidates", "deferred_config", "deferred_key", "dgrad_unsupported", "gluon_unsupported",
-           "site_choice", "stats_tile"]
+__all__ = ["deferred_candidates", "deferred_config", "deferred_key", "dgrad_unsupported", "fp32_output_gemm",
+           "gluon_unsupported", "site_choice", "stats_tile"]
 
 STATS_TILE = 128  # the narrowest N tile the Gluon candidates use where rows are wider than it
 
@@ -57,6 +58,21 @@ def dgrad_unsupported(x: Tensor, width: int) -> Optional[str]:
     if x.device.type != "cuda":
         return None
     return gluon_unsupported(x.new_empty((x.shape[0], width)), x.new_empty((width, x.shape[1])), x, 0, 0)
+
+
+@functools.cache
+def fp32_output_gemm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch and device run a 16-bit GEMM with an fp32 result (``torch.mm(..., out_dtype=)``): a
+    deferred backward's weight gradients use it (kernels/deferred.py ``mm_fp32``). Tried once per device and
+    dtype on tiny real tensors; off CUDA the product is taken in fp32 instead."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return True
+    try:
+        with measure.RealInputs():
+            a = torch.ones((16, 16), dtype=dtype, device=device)
+            return bool(torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32)
+    except Exception:  # noqa: BLE001 - any failure means: not available here
+        return False
 
 
 def deferred_candidates(a: Tensor, b: Tensor, out_tile: int) -> list:
