@@ -389,7 +389,7 @@ class DeferredNorm(Pattern):
             dx = fx_utils.getitems(graph, fused, 1)[0]
             self._tower_dots(graph, plan.nb, x2, args["eps"], rows)
             dgamma, dbeta = [], []
-            for i, (g, dh, w, wg) in enumerate(zip(gs, plan.dhs, ws, plan.wgrads)):
+            for g, dh, w, wg in zip(gs, plan.dhs, ws, plan.wgrads):
                 dw, dg, db = fx_utils.inline(
                     graph, lambda g, dh, x, mu, w, gm, bt, want=wg is not None: dk.consumer_weight_gradient(
                         g, dh, x, mu, w, gm, bt, code, want, fp32_out), [g, dh, x2, mean, w, gamma, beta])
@@ -430,7 +430,8 @@ class DeferredNorm(Pattern):
             if not node.meta.get(HDOT):
                 continue
             ops = _dot_operands(node)
-            if ops is None or through_identities(JOINT, ops[0]) not in dxs or through_identities(JOINT, ops[1]) is not x:
+            if ops is None or through_identities(JOINT, ops[0]) not in dxs or \
+                    through_identities(JOINT, ops[1]) is not x:
                 continue
             node.replace_all_uses_with(fx_utils.inline(graph, lambda r: dk.tower_dot(r, eps, n), [rows]))
             fx_utils.erase_if_unused(graph, [node])
@@ -484,7 +485,8 @@ class DeferredNorm(Pattern):
             backward = ("backward deferred: one GEMM of the linears' output gradients applies the norm's backward in "
                         "its epilogue, the weight gradients read x")
         else:
-            backward = f"weight gradients reading norm(x) rebuilt from x and the statistics in the backward={len(m.readers)}"
+            backward = (f"weight gradients reading norm(x) rebuilt from x and the statistics in the "
+                        f"backward={len(m.readers)}")
             if m.backward_note:
                 backward += f" (backward not deferred: {m.backward_note})"
         affine = args["weight"] is not None or args["bias"] is not None

@@ -226,14 +226,15 @@ def test_layernorm_large_mean(dtype, spread, n, gluon_calls):
     run_all(args, gluon_calls)
 
 
+@pytest.mark.parametrize("b_t", [True, False], ids=["bt", "bkn"])
 @pytest.mark.parametrize("rows", [1, 3], ids=["rms", "ln"])
 @pytest.mark.parametrize("n", [40, 264, 1024])
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
-def test_row_scaled_residual(dtype, n, rows, gluon_calls):
+def test_row_scaled_residual(dtype, n, rows, b_t, gluon_calls):
     """A norm's input gradient as the GEMM of its consumers' gradients computes it: the residual (the norm's
     input) scaled per row (RMSNorm: one term; LayerNorm: scale, center and shift, with rows of mean 100 and
-    their own means as the center), no bias, K = 1000."""
-    args = make_args(1000, 1000, n, dtype, NONE, NONE, bias=False)
+    their own means as the center), no bias, K = 1000, the folded weights in either layout."""
+    args = make_args(1000, 1000, n, dtype, NONE, NONE, bias=False, b_t=b_t)
     res = args[3] if rows == 1 else (100 + torch.randn(1000, n, device="cuda")).to(dtype)
     terms = torch.randn(rows, 1000, device="cuda")
     if rows == 3:

@@ -274,7 +274,8 @@ def _deferred_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_ba
 def deferred_mm_kernel(a_desc, b_desc, c_desc, res_desc, bias_ptr, colsum_ptr, a_stats_ptr, stats_ptr, res_rows_ptr,
                        M, N, K, a_tile, t_out, eps,
                        HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, A_NORM: gl.constexpr, OUT_NORM: gl.constexpr,
-                       OUT_G: gl.constexpr, EVEN_N: gl.constexpr, RES_ROWS: gl.constexpr, NUM_STAGES: gl.constexpr, NCONS: gl.constexpr,
+                       OUT_G: gl.constexpr, EVEN_N: gl.constexpr, RES_ROWS: gl.constexpr, NUM_STAGES: gl.constexpr,
+                       NCONS: gl.constexpr,
                        B_KN: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
     eargs = (c_desc, res_desc, bias_ptr, colsum_ptr, a_stats_ptr, stats_ptr, K, a_tile, t_out, eps, res_rows_ptr)
     FLAGS: gl.constexpr = (HAS_BIAS * FLAG_HAS_BIAS + HAS_RES * FLAG_HAS_RES + (A_NORM << FLAG_A_SHIFT)
@@ -359,12 +360,13 @@ def _constexprs(config, shape: Launch, n: int, b_kn: bool, *, bias: bool, residu
     # it is False there, the bias is the NaN-padded one (``nan_pad``), present even without a bias
     even = out_norm == LN and n % g == 0
     return dict(HAS_BIAS=bias or nan_pad(config, n, out_norm, out_tile), HAS_RES=residual, A_NORM=a_norm,
-                OUT_NORM=out_norm, OUT_G=g, EVEN_N=even, RES_ROWS=res_rows, NUM_STAGES=config.stages, NCONS=shape.ncons, B_KN=b_kn, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS)
+                OUT_NORM=out_norm, OUT_G=g, EVEN_N=even, RES_ROWS=res_rows, NUM_STAGES=config.stages,
+                NCONS=shape.ncons, B_KN=b_kn, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS)
 
 
 _PARAMS = ("a_desc", "b_desc", "c_desc", "res_desc", "bias_ptr", "colsum_ptr", "a_stats_ptr", "stats_ptr",
-           "res_rows_ptr", "M", "N", "K", "a_tile", "t_out", "eps", "HAS_BIAS", "HAS_RES", "A_NORM", "OUT_NORM", "OUT_G",
-           "EVEN_N", "RES_ROWS", "NUM_STAGES", "NCONS", "B_KN", "LOAD_REGS", "MMA_REGS", "num_warps")
+           "res_rows_ptr", "M", "N", "K", "a_tile", "t_out", "eps", "HAS_BIAS", "HAS_RES", "A_NORM", "OUT_NORM",
+           "OUT_G", "EVEN_N", "RES_ROWS", "NUM_STAGES", "NCONS", "B_KN", "LOAD_REGS", "MMA_REGS", "num_warps")
 _N_RUNTIME = 15
 _N_DESC = 4
 
@@ -477,7 +479,8 @@ def compile_offline(config, n: int, k: int, *, a_norm: int, out_norm: int, out_t
                   bias_ptr="*fp32" if (bias and bias_fp32) or (not bias and nan_pad(config, n, out_norm, out_tile))
                   else "*bf16",
                   colsum_ptr="*fp32" if a_norm == LN else "*bf16", a_stats_ptr="*fp32" if a_norm else "*bf16",
-                  stats_ptr="*fp32" if out_norm else "*bf16", res_rows_ptr="*fp32" if res_rows else "*bf16", M="i32", N="i32", K="i32", a_tile="i32",
+                  stats_ptr="*fp32" if out_norm else "*bf16", res_rows_ptr="*fp32" if res_rows else "*bf16",
+                  M="i32", N="i32", K="i32", a_tile="i32",
                   t_out="i32", eps="fp32")
     constexprs = _constexprs(config, shape, n, b_kn, bias=bias, residual=residual, a_norm=a_norm,
                              out_norm=out_norm, out_tile=out_tile, res_rows=res_rows)
@@ -508,6 +511,8 @@ OFFLINE_FLAGS = {
     # per-row terms (RMSNorm: a scale; LayerNorm: scale, center, shift)
     "dgrad_rms": dict(a_norm=NONE, out_norm=NONE, bias=False, residual=True, res_rows=1),
     "dgrad_ln": dict(a_norm=NONE, out_norm=NONE, bias=False, residual=True, res_rows=3),
+    # its folded weights as Inductor lays them out: either orientation (b_kn: W' row-major [K, N])
+    "dgrad_ln_kn": dict(a_norm=NONE, out_norm=NONE, bias=False, residual=True, res_rows=3, b_kn=True),
 }
 
 
@@ -522,16 +527,17 @@ def offline_variants() -> list[dict]:
                 for out_tile in OFFLINE_OUT_TILES if flags["out_norm"] else (0,):
                     for cfg in candidates(a, b, out_tile):
                         shape = launch_shape(cfg)
-                        consts = _constexprs(cfg, shape, n, False, out_tile=out_tile,
-                                             **{f: v for f, v in flags.items() if f != "bias_fp32"})
+                        kn = flags.get("b_kn", False)
+                        consts = _constexprs(cfg, shape, n, kn, out_tile=out_tile,
+                                             **{f: v for f, v in flags.items() if f not in ("bias_fp32", "b_kn")})
                         seen.setdefault((cfg, name, consts["OUT_G"], consts["EVEN_N"]),
                                         dict(op="deferred_mm", config=list(cfg), n=n, k=k, flags=name,
-                                             out_tile=out_tile, save_normed=False, gemm_only=False, b_kn=False))
+                                             out_tile=out_tile, save_normed=False, gemm_only=False, b_kn=kn))
     return list(seen.values())
 
 
 def compile_variant(v: dict):
     from ..triton.common import GemmConfig
 
-    return compile_offline(GemmConfig(*v["config"]), v["n"], v["k"], out_tile=v["out_tile"], b_kn=v["b_kn"],
-                           **OFFLINE_FLAGS[v["flags"]])
+    flags = {f: x for f, x in OFFLINE_FLAGS[v["flags"]].items() if f != "b_kn"}
+    return compile_offline(GemmConfig(*v["config"]), v["n"], v["k"], out_tile=v["out_tile"], b_kn=v["b_kn"], **flags)
