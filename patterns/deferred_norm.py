@@ -176,7 +176,8 @@ class DeferredNorm(Pattern):
         why = dgrad_unsupported(fx_utils.hinted(flat_like(xv, m, n)), n2) if plan is not None else None
         if why is not None:
             plan, note = None, f"the Gluon kernel cannot take its input-gradient GEMM ({why})"
-        choice = self.decide(args, producer, consumers, view, m, n, n_wgrads, training, n2)
+        g_passes = 1 if plan is not None and all(_pointwise(dh) for dh in plan.dhs) else 2
+        choice = self.decide(args, producer, consumers, view, m, n, n_wgrads, training, n2, g_passes)
         require(choice.fuse, choice.reason)
         return DeferredMatch(norm, args, producer, consumers, readers, flat, keeps_norm, choice, plan, note)
 
@@ -272,8 +273,8 @@ class DeferredNorm(Pattern):
         return None
 
     def decide(self, args, producer: Optional[Producer], consumers, view: GraphView, m, n: int, n_wgrads: int,
-               training: bool, dgrad: int = 0) -> Choice:
-        """``dgrad``: the width of the input-gradient GEMM's operand where the backward is deferred too (0: not)."""
+               training: bool, dgrad: int = 0, g_passes: int = 1) -> Choice:
+        """``dgrad``, ``g_passes``: the deferred backward's (``Site``); dgrad 0 where the backward is not deferred."""
         xv = fx_utils.hinted(flat_like(val(args["x"]), m, n))
         code = dops.RMS if args["is_rms"] else dops.LN
         prod = None
@@ -290,7 +291,7 @@ class DeferredNorm(Pattern):
                     (d["a_eps"], d["a_norm"], d["a_tile"])
         cons = [view.gemm_values(g)[1:] for _, g in consumers]
         site = Site(xv, prod, cons, val(args["weight"]), val(args["bias"]), args["eps"], code, n_wgrads,
-                    cache=_cache_fold(training), dgrad=dgrad)
+                    cache=_cache_fold(training), dgrad=dgrad, g_passes=g_passes)
         return site_choice(site)
 
     # ---- rewrite ---------------------------------------------------------------------------------------
@@ -546,6 +547,17 @@ def _weight_gradient(u: Node, dhs: list) -> Optional[tuple[int, Node, bool]]:
     return None
 
 
+def _is_pointwise(node: Any) -> bool:
+    return isinstance(node, Node) and isinstance(node.target, torch._ops.OpOverload) and \
+        torch.Tag.pointwise in node.target.tags
+
+
+def _pointwise(dh: Node) -> bool:
+    """Whether Inductor's pointwise code computes ``dh`` (a loss's or an activation's backward), into which
+    the scaling of the deferred backward fuses without a read of its own."""
+    return _is_pointwise(through_identities(JOINT, dh))
+
+
 def _read_in_backward(node: Node, bwd: set, limit: int = 64) -> bool:
     """Whether the backward reads ``node``'s value, directly or through views and pointwise ops of the forward
     (an activation's backward formula, which the partitioner recomputes from its input): it is kept for the
@@ -555,8 +567,7 @@ def _read_in_backward(node: Node, bwd: set, limit: int = 64) -> bool:
         for u in todo.pop().users:
             if u in bwd:
                 return True
-            pointwise = isinstance(u.target, torch._ops.OpOverload) and torch.Tag.pointwise in u.target.tags
-            if (pointwise or is_op(u, *IDENTITIES)) and u not in seen:
+            if (_is_pointwise(u) or is_op(u, *IDENTITIES)) and u not in seen:
                 seen.add(u)
                 todo.append(u)
     return False

@@ -388,6 +388,25 @@ def test_training_fan_out_defers_the_backward():
     _check_gradients(m, [x, h], (xs, out), loss=lambda o: o[0].square().sum() + o[1].square().sum())
 
 
+def test_training_site_sees_what_the_backward_changes(monkeypatch):
+    """The decision's view of a deferred backward: its GEMM's operand width (the consumers' outputs), and
+    whether the gradients it scales come from Inductor's pointwise code (a loss's backward: the scaling fuses
+    there) or not (a tower's next norm, the graph's caller: a read and a write of their own)."""
+    import fusenorm_inductor.patterns.deferred_norm as pattern
+
+    sites = []
+    real = pattern.site_choice
+    monkeypatch.setattr(pattern, "site_choice", lambda site: sites.append(site) or real(site))
+    torch.manual_seed(19)
+    _compiled(Chain("rms", True, True), torch.randn(257, 40, requires_grad=True), torch.randn(257, 24),
+              training=True)
+    # (the pre-grad prospect asks too: it sees no backward)
+    assert [(s.dgrad, s.g_passes) for s in sites if s.dgrad] == [(24, 1)]
+    sites.clear()
+    _compiled(Tower(40, 48, layers=3), torch.randn(257, 40, requires_grad=True), training=True)
+    assert [(s.dgrad, s.g_passes) for s in sites if s.dgrad] == [(48, 2), (48, 2)]
+
+
 def test_layernorm_backward_needs_an_fp32_output_gemm(monkeypatch):
     """Where the torch cannot give a 16-bit GEMM an fp32 result, LayerNorm's backward is not deferred (its
     centered weight gradient would cancel in 16 bits): the rebuild design, and the report says why."""

@@ -109,12 +109,15 @@ class Site:
     ``x``: the norm's input [M, N]; the norm's (weight, bias, eps, code); ``wgrads``: weight gradients that
     read norm(x) rebuilt in the backward (training); ``cache``: whether the fold is kept between calls;
     ``dgrad``: training with the norm's backward deferred too, the width of its input-gradient GEMM's operand
-    (the consumers' outputs together; 0: the backward stays Inductor's, with norm(x) rebuilt)."""
+    (the consumers' outputs together; 0: the backward stays Inductor's, with norm(x) rebuilt), and
+    ``g_passes`` the [M, dgrad] passes of the kernel that scales the gradients into that operand: 1 (its
+    write) where Inductor's pointwise code computes them anyway, 2 (a read too) where they come from a GEMM
+    or from the graph's caller."""
 
-    def __init__(self, x, producer, consumers, weight, norm_bias, eps, norm, wgrads, cache, dgrad=0):
+    def __init__(self, x, producer, consumers, weight, norm_bias, eps, norm, wgrads, cache, dgrad=0, g_passes=1):
         self.x, self.producer, self.consumers = x, producer, consumers
         self.weight, self.norm_bias, self.eps, self.norm = weight, norm_bias, eps, norm
-        self.wgrads, self.cache, self.dgrad = wgrads, cache, dgrad
+        self.wgrads, self.cache, self.dgrad, self.g_passes = wgrads, cache, dgrad, g_passes
 
     def key(self) -> tuple:
         p = self.producer
@@ -122,7 +125,7 @@ class Site:
         return ("deferred_site", self.x.device, measure.spec(self.x, rows=True), prod,
                 tuple((measure.spec(b), measure.spec(bias)) for b, bias in self.consumers),
                 measure.spec(self.weight), measure.spec(self.norm_bias), int(self.norm), int(self.wgrads),
-                bool(self.cache), int(self.dgrad))
+                bool(self.cache), int(self.dgrad), int(self.g_passes))
 
 
 def site_choice(site: Site) -> Choice:
@@ -205,7 +208,7 @@ def _measure_site(site: Site) -> dict:
             # The backward: the fused side's GEMM is timed above, plus its operand's write (the scaled
             # gradients); the unfused side runs cuBLAS's input-gradient GEMMs and the norm's backward kernel
             # (read dy and x, write dx: three passes).
-            t_extra = measure.norm_proxy_ms(m, site.dgrad, x.dtype, 1, x.device)
+            t_extra = measure.norm_proxy_ms(m, site.dgrad, x.dtype, site.g_passes, x.device)
             t_bwd = measure.norm_proxy_ms(m, n, x.dtype, 3, x.device)
             if t_bwd is not None:
                 t_bwd += sum(measure.gemm_ms(torch.randn((m, b.shape[1]), device=dev).to(x.dtype),
