@@ -812,6 +812,11 @@ def test_site_measurement_plumbing(monkeypatch):
     assert key[-1] == 3 and key[3] == measure.spec(torch.empty(40, 40)) and key[5] == measure.spec(x)
     assert tuning.Site(x, producer, consumers, None, None, 1e-5, LN, 2, False, dgrad=40).key() != \
         tuning.Site(x, producer, consumers, None, None, 1e-5, LN, 2, False).key()
+    # a producer with a bias: its gradient, a column sum of dx, is a pass of its own on the fused side
+    biased = (a, wp, torch.randn(40), res) + producer[4:]
+    entry = tuning._measure_site(tuning.Site(x, biased, consumers, torch.randn(40), torch.randn(40), 1e-5, LN,
+                                             wgrads=2, cache=False, dgrad=40))
+    assert entry["t_fused_ms"] == pytest.approx(4 * 1.0 + 0.5 + 0.5)
 
 
 def test_site_decision_uses_the_deferral_margin(monkeypatch):

@@ -209,6 +209,10 @@ def _measure_site(site: Site) -> dict:
             # gradients); the unfused side runs cuBLAS's input-gradient GEMMs and the norm's backward kernel
             # (read dy and x, write dx: three passes).
             t_extra = measure.norm_proxy_ms(m, site.dgrad, x.dtype, site.g_passes, x.device)
+            if t_extra is not None and site.producer is not None and site.producer[2] is not None:
+                # the producer's bias gradient, a column sum of dx: its own pass over the GEMM's output, where
+                # Inductor's norm backward may sum it in the kernel that writes dx
+                t_extra += measure.norm_proxy_ms(m, n, x.dtype, 1, x.device)
             t_bwd = measure.norm_proxy_ms(m, n, x.dtype, 3, x.device)
             if t_bwd is not None:
                 t_bwd += sum(measure.gemm_ms(torch.randn((m, b.shape[1]), device=dev).to(x.dtype),
