@@ -302,12 +302,15 @@ def own_code(model: torch.nn.Module) -> torch.nn.Module:
 def fused_patterns(reps: list, pattern: str = "deferred_norm") -> dict:
     """What a fusenorm compile's match reports say: the patterns that rewrote something (canonicalizations left
     out), ``fused`` as "pattern xN, ..." or "none", why ``pattern`` did not fire where it was looked at
-    (``deferred_reasons``), the other patterns' skips and the errors."""
+    (``deferred_reasons``), what its rewrites decided and made (``deferred_rewrites``: the measured times,
+    whether the backward was deferred), the other patterns' skips and the errors."""
     rewrites = Counter(r.pattern for rep in reps for r in rep.rewrites if not r.pattern.startswith("canonical"))
     skips = [s for rep in reps for s in rep.skips]
     return {
         "fused": ", ".join(f"{p} x{n}" for p, n in sorted(rewrites.items())) or "none",
         "fusenorm_rewrites": dict(rewrites),
+        "deferred_rewrites": [f"{r.kernel} | {r.detail}"[:600] for rep in reps for r in rep.rewrites
+                              if r.pattern == pattern],
         "deferred_reasons": sorted({s.reason[:300] for s in skips if s.pattern == pattern}),
         "fusenorm_skips": [f"{s.pattern} at {s.node}: {s.reason}"[:300] for s in skips if s.pattern != pattern],
         "fusenorm_errors": [e[:300] for rep in reps for e in rep.errors],
