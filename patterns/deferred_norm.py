@@ -400,9 +400,10 @@ class DeferredNorm(Pattern):
                     mm, transposed = wg
                     mm.replace_all_uses_with(fx_utils.call(graph, torch.ops.aten.permute.default, dw, [1, 0])
                                            if transposed else dw)
-                    operands = [a for a in mm.args if isinstance(a, Node)]
+                    # the transposes that fed it (the views of y are the rewrite's to erase, once, at its end)
+                    operands = [a for a in mm.args if isinstance(a, Node) and a not in m.flat]
                     graph.erase_node(mm)
-                    fx_utils.erase_if_unused(graph, operands)  # the transposes that fed it
+                    fx_utils.erase_if_unused(graph, operands)
             grads = {0: dx}
             for idx, parts in ((1, dgamma), (2, dbeta)):
                 if parts[0] is not None:

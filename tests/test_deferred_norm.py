@@ -294,7 +294,7 @@ def test_tower_inference(norm, shape):
 
 
 @pytest.mark.parametrize("norm", ["ln", "rms"])
-def test_tower_training_matches_gradients(norm, monkeypatch):
+def test_tower_training_matches_gradients(norm, monkeypatch, recwarn):
     """Both sites' backward deferred; the first site's dot of its linear's output gradient with that output
     comes from the second norm's backward terms (``tower_dot``: no pass over them)."""
     torch.manual_seed(6)
@@ -307,6 +307,7 @@ def test_tower_training_matches_gradients(norm, monkeypatch):
     assert len(_rewrites(rep)) == 2
     assert all("backward deferred" in r.detail for r in _rewrites(rep))
     assert len(towers) == 1
+    assert not [w for w in recwarn if "already erased" in str(w.message)]  # each node erased once
     _check_gradients(m, [x], out)
 
 
