@@ -265,11 +265,12 @@ def launch(args: tuple, config, alloc: Callable, plan_out: Optional[list] = None
     if plan_out is not None:
         dtype, device = a.dtype, a.device
 
-        def again(a, b, bias, residual, a_stats, norm_weight, norm_bias, *rest):
+        def again(*call):  # the op's arguments, as ``args``: the scalars are the plan's
+            a, b, bias, residual, a_stats, norm_weight, norm_bias, res_rows = call[:7] + call[13:]
             c = alloc((m, n), dtype, device)
             stats = alloc(shape, torch.float32, device)
             b_f, bias_f, colsum = cached_fold(b, bias, norm_weight, norm_bias, a_norm, cache, fold)
-            plan(a, b_f, bias_f, colsum, residual, a_stats, c, stats, rest[6] if len(rest) > 6 else None)
+            plan(a, b_f, bias_f, colsum, residual, a_stats, c, stats, res_rows)
             return c, stats
 
         plan_out.append(again)

@@ -45,8 +45,6 @@ from torch import Tensor
 from .. import config as settings
 from .. import graph_calls
 from ..kernels.deferred import LN, NONE, RMS, applied, folded, merge_stats, partial_stats, stats_shape
-
-N_ARGS = 14  # the op's arguments; callers may leave out the trailing optional res_rows
 from ..tuning import measure
 from ._validate import check_eps, check_tensor
 
@@ -54,6 +52,7 @@ __all__ = ["deferred_mm", "deferred_mm_reference", "merge_stats", "partial_stats
            "LN"]
 
 _OP = "fusenorm::deferred_mm"
+N_ARGS = 14  # the op's arguments; callers may leave out the trailing optional res_rows
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 

@@ -161,6 +161,12 @@ def _measure_site(site: Site) -> dict:
     tile = stats_tile(n)
     dev = x.device
     like = measure.RealInputs.like
+
+    def gemm(k: int) -> tuple[Tensor, Tensor]:
+        """Real operands [M, k] @ [k, N] (the backward's GEMMs), as ``real_gemm_operands`` makes them."""
+        return tuple(measure.real_gemm_operands(torch.empty((m, k), dtype=x.dtype, device="meta"),
+                                                torch.empty((k, n), dtype=x.dtype, device="meta"), device=dev))
+
     with measure.RealInputs():
         rx, rw, rnb = like(x, dev), like(site.weight, dev), like(site.norm_bias, dev)
         stats = op.partial_stats(rx, norm, tile)
@@ -176,10 +182,8 @@ def _measure_site(site: Site) -> dict:
             calls.append((rx, rb, rbias, None, stats, rw, rnb, site.eps, norm, tile, 0, 0, site.cache, None))
         if site.dgrad:
             # the backward's GEMM of the consumers' scaled gradients, the norm's backward in its epilogue
-            rows = torch.randn((1 if norm == 1 else 3, m), device=dev)
-            ga = torch.randn((m, site.dgrad), device=dev).to(x.dtype)
-            calls.append((ga, torch.randn((site.dgrad, n), device=dev).to(x.dtype), None, rx, None, None, None, 0.0,
-                          0, 0, 0, 0, False, rows))
+            rows = like(torch.empty((1 if norm == 1 else 3, m), device="meta"), dev)
+            calls.append((*gemm(site.dgrad), None, rx, None, None, None, 0.0, 0, 0, 0, 0, False, rows))
         t_fused, labels, best_all, hosts = 0.0, {}, [], []
         for args in calls:
             key = deferred_key(*args[:7], args[8], args[10], args[11], args[13])
@@ -213,11 +217,8 @@ def _measure_site(site: Site) -> dict:
                 # the producer's bias gradient, a column sum of dx: its own pass over the GEMM's output, where
                 # Inductor's norm backward may sum it in the kernel that writes dx
                 t_extra += measure.norm_proxy_ms(m, n, x.dtype, 1, x.device)
-            t_bwd = measure.norm_proxy_ms(m, n, x.dtype, 3, x.device)
-            if t_bwd is not None:
-                t_bwd += sum(measure.gemm_ms(torch.randn((m, b.shape[1]), device=dev).to(x.dtype),
-                                             torch.randn((b.shape[1], n), device=dev).to(x.dtype), None)
-                             for b, _ in site.consumers)
+            t_bwd = measure.plus(sum(measure.gemm_ms(*gemm(b.shape[1]), None) for b, _ in site.consumers),
+                                 measure.norm_proxy_ms(m, n, x.dtype, 3, x.device))
         else:
             # norm(x) rebuilt in the backward for the weight gradients: one write, fused into the norm's backward
             t_extra = measure.norm_proxy_ms(m, n, x.dtype, 1, x.device) if site.wgrads else 0.0

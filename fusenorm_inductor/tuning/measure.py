@@ -434,10 +434,11 @@ class RealInputs:
         return out.copy_(base)
 
 
-def real_gemm_operands(a: Tensor, b: Tensor, *others: Optional[Tensor]) -> list:
+def real_gemm_operands(a: Tensor, b: Tensor, *others: Optional[Tensor], device: Optional[torch.device] = None
+                       ) -> list:
     """Inside ``RealInputs``: random real a and b like the given ones (b scaled by 1/sqrt(K), so that the
-    product has unit scale), then each of ``others`` (None stays None), all on a's device."""
-    dev = a.device
+    product has unit scale), then each of ``others`` (None stays None), all on ``device`` (default a's)."""
+    dev = a.device if device is None else device
     return [RealInputs.like(a, dev), RealInputs.like(b, dev, scale=a.shape[1] ** -0.5),
             *(RealInputs.like(t, dev) for t in others)]
 
