@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 
+GRACE_S = 20.0  # for an interrupted shard to print its failures
 RESULT = re.compile(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
 
 
@@ -55,13 +57,21 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", *chunk]
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, chunk))
     timed_out = []
-    for i, (proc, log, _) in enumerate(procs):
+    for i, (proc, _, _) in enumerate(procs):
         try:
-            proc.wait(timeout=max(1.0, args.budget - (time.monotonic() - start)))
+            proc.wait(timeout=max(0.1, args.budget - (time.monotonic() - start)))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
             timed_out.append(i)
+    # An interrupted pytest still prints the tracebacks of the failures it has seen; a killed one prints none.
+    for i in timed_out:
+        procs[i][0].send_signal(signal.SIGINT)
+    for i in timed_out:
+        try:
+            procs[i][0].wait(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            procs[i][0].kill()
+            procs[i][0].wait()
+    for _, log, _ in procs:
         log.close()
     counts: dict[str, int] = {}
     failures, not_run = [], []

@@ -160,3 +160,65 @@ def test_kernels_live_in_kernels_and_ops_in_ops():
     misplaced += [f"{m}: custom op outside ops/" for m, p in MODULES.items()
                   if _layer(m) != "ops" and _decorated(p, ops)]
     assert not misplaced, "\n".join(misplaced)
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """The names a module binds at its top level (also inside top-level ``if``/``try`` blocks)."""
+    names: set[str] = set()
+
+    def bind(body):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+            elif isinstance(node, ast.If):
+                bind(node.body)
+                bind(node.orelse)
+            elif isinstance(node, ast.Try):
+                bind(node.body)
+                for h in node.handlers:
+                    bind(h.body)
+                bind(node.orelse)
+                bind(node.finalbody)
+
+    bind(ast.parse(path.read_text()).body)
+    return names
+
+
+def _unresolved(module: str, path: Path) -> list[str]:
+    """The package-internal imports of ``module`` (function bodies included) that name no module of the package
+    and no top-level name of the module they import from: an import that fails only when its line runs (a lazy
+    import in a GPU-only branch is never run by the CPU suite)."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = _base(module, path, node.level, node.module)
+            if not (base == PACKAGE or base.startswith(PACKAGE + ".")):
+                continue
+            if base not in MODULES:
+                bad.append(f"{module}:{node.lineno}: no module {base}")
+                continue
+            defined = _top_level_names(MODULES[base])
+            bad += [f"{module}:{node.lineno}: {base} has no {a.name}" for a in node.names
+                    if a.name != "*" and a.name not in defined and f"{base}.{a.name}" not in MODULES]
+        elif isinstance(node, ast.Import):
+            bad += [f"{module}:{node.lineno}: no module {a.name}" for a in node.names
+                    if a.name.startswith(PACKAGE + ".") and a.name not in MODULES]
+    return bad
+
+
+def test_every_import_of_the_package_resolves():
+    bad = [line for m, p in MODULES.items() for line in _unresolved(m, p)]
+    assert not bad, "imports that fail when they run:\n" + "\n".join(bad)
+
+
+def test_the_resolution_check_can_fail(tmp_path):
+    """A planted lazy import of a name the package lacks is reported (the check is not one that never looks)."""
+    f = tmp_path / "probe.py"
+    f.write_text("def f():\n    from .. import config\n    from .common import no_such_name\n")
+    bad = _unresolved(f"{PACKAGE}.kernels.triton.probe", f)
+    assert len(bad) == 2 and "kernels has no config" in bad[0] and "no_such_name" in bad[1], bad

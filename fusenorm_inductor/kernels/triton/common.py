@@ -237,7 +237,7 @@ _FORCE_TMA: Optional[bool] = None
 def spin_allowed(device: torch.device) -> bool:
     """The spin-exchange kernels wait for other programs, so they need a real GPU (the interpreter runs
     programs one after another) and the user's consent (config.spin_exchange)."""
-    from .. import config
+    from ... import config
 
     return device.type == "cuda" and config.spin_exchange
 
