@@ -60,11 +60,14 @@ REVERT_KEY = "fusenorm_revert"  # meta of a canonical op: how to put back what i
 class Original:
     """What a canonical op replaced, kept until the prospects step decides (patterns/prospects.py): the
     erased nodes as they were (node, op, target, args, kwargs, meta, name; in graph order), the one whose
-    users the op took over, and the report's record of the rewrite."""
+    users the op took over, the report's record of the rewrite, and ``order``: every node from the first
+    erased one to ``end`` as they stood (nodes the norm shares with the rest of the graph, such as Gemma's
+    ``1 + weight``, sit between the norm's own: the order decides the order of the backward's kernels)."""
 
     nodes: list[tuple]
     end: Node
     record: Any
+    order: list[Node]
 
 
 def canonicalize(graph: fx.Graph, rep: GraphReport, pattern: str, end: Node, nodes: list[Node], x, weight, bias,
@@ -72,6 +75,8 @@ def canonicalize(graph: fx.Graph, rep: GraphReport, pattern: str, end: Node, nod
     """Insert the canonical op before ``end`` (the last node of the norm as written), give it end's users,
     erase ``nodes`` (the norm's nodes, end included) where nothing else reads them, and record the rewrite.
     The erased nodes are kept on the op (``REVERT_KEY``) so the prospects step can put them back exactly."""
+    listed = list(graph.nodes)
+    order = listed[min(listed.index(n) for n in nodes):listed.index(end) + 1]
     with graph.inserting_before(end):
         op = fx_utils.call(graph, NORM, x, weight, bias, float(eps), is_rms, val(end).dtype)
         y = fx_utils.call(graph, operator.getitem, op, 0)
@@ -83,7 +88,8 @@ def canonicalize(graph: fx.Graph, rep: GraphReport, pattern: str, end: Node, nod
     xv = val(x)
     rep.rewrite(pattern, "pre_grad", [n.name for n in nodes], {"x": list(xv.shape)}, xv.dtype,
                 "fusenorm::norm (canonical)", detail)
-    op.meta[REVERT_KEY] = Original([r for r in before if getattr(r[0], "_erased", False)], end, rep.rewrites[-1])
+    op.meta[REVERT_KEY] = Original([r for r in before if getattr(r[0], "_erased", False)], end, rep.rewrites[-1],
+                                   order)
     return y
 
 

@@ -113,7 +113,30 @@ def _revert(graph: fx.Graph, op: Node, orig: Original, moved: dict[Node, Node]) 
         moved[g] = env[orig.end]
         graph.erase_node(g)
     graph.erase_node(op)
+    _restore_order(graph, [env.get(n, n) for n in orig.order])
     return True
+
+
+def _restore_order(graph: fx.Graph, order: list[Node]) -> None:
+    """Move ``order`` (the put-back nodes and the graph's own nodes that stood between them, as traced) into one
+    run at the place of its earliest node, so the graph's order is the traced one again (AOT autograd derives
+    the backward's order, and so Inductor's kernels and buffers, from it). Left as it is where a node is gone or
+    the run would put a node before one of its inputs or after one of its users (a pass rewired it since)."""
+    if any(n.graph is not graph or getattr(n, "_erased", False) for n in order) or len(set(order)) != len(order):
+        return
+    listed = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(listed)}
+    run = set(order)
+    start = min(pos[n] for n in order)
+    final = [n for n in listed[:start] if n not in run] + order + [n for n in listed[start:] if n not in run]
+    at = {n: i for i, n in enumerate(final)}
+    for n in order:
+        if any(at[i] > at[n] for i in n.all_input_nodes) or any(at[u] < at[n] for u in n.users):
+            return
+    prev = listed[start].prev
+    for n in order:
+        prev.append(n)
+        prev = n
 
 
 def _nodes_in(a: Any) -> list[Node]:

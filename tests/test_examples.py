@@ -148,5 +148,8 @@ def test_train_hf_gpt2_and_t5_encoder(model):
     assert r["agreement"]["agree"], r["agreement"]
     rep = r["runs"]["fusenorm"]["report"]
     assert rep["norm_sites"] == 3 and rep["unaccounted_sites"] == 0 and rep["errors"] == []
-    if model == "t5":
-        assert rep["fused_sites"] == 3
+    if model == "t5" and not torch.cuda.is_available():
+        assert rep["fused_sites"] == 3  # unmeasured on the CPU: every pre-norm site is taken
+    elif model == "t5":
+        # On a GPU each site is timed: a site left unfused must say it was measured and lost.
+        assert all("measured" in why for why in rep["unfused_reasons"]), rep["unfused_reasons"]

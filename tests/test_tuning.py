@@ -159,7 +159,7 @@ def test_prenorm_measurement_plumbing(monkeypatch):
     assert len(runs) >= 2 and choice.fuse and "measured 1 ms fused" in choice.reason, choice
     monkeypatch.setattr(norm_mm_tuning, "measure_prenorm", lambda *a, **k: pytest.fail("measured twice"))
     assert norm_mm_tuning.prenorm_choice(*args) == choice
-    with config.patch({"tuning.margin": 0.5}):  # 1.0 is not below 1.5 * 0.5
+    with config.patch({"tuning.margin": 0.5, "tuning.margin_gluon": 0.5}):  # 1.0 is not below 1.5 * 0.5
         measure.clear_memory()
         assert not norm_mm_tuning.prenorm_choice(*args).fuse
 

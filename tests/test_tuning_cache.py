@@ -257,8 +257,11 @@ def test_probe_that_raises(monkeypatch):
 
 
 def _prenorm_args():
-    a, w = torch.randn(65, 40, dtype=torch.float16), torch.randn(24, 40, dtype=torch.float16)
-    return (a, w.t(), None, torch.ones(40), None, 1e-5, False, torch.float16)
+    """Where the kernels run: on a GPU machine Triton compiles for CUDA, so CPU tensors would make every
+    candidate fail (the interpreter serves the CPU only where there is no GPU)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a, w = (torch.randn(65, 40, dtype=torch.float16, device=dev), torch.randn(24, 40, dtype=torch.float16, device=dev))
+    return (a, w.t(), None, torch.ones(40, device=dev), None, 1e-5, False, torch.float16)
 
 
 def test_failed_probe_leaves_decision_unmeasured(tmp_path, broken_probe):
