@@ -476,7 +476,7 @@ _install_hooks()
 # ----------------------------------------------------------------------------------------------------------
 
 
-_FWD_SITE_PATTERNS = ("linear_norm_fwd", "norm_linear_fwd")
+_FWD_SITE_PATTERNS = ("linear_norm_fwd", "norm_linear_fwd", "deferred_norm")
 
 
 def summarize(reports) -> dict:

@@ -151,5 +151,5 @@ def test_train_hf_gpt2_and_t5_encoder(model):
     if model == "t5" and not torch.cuda.is_available():
         assert rep["fused_sites"] == 3  # unmeasured on the CPU: every pre-norm site is taken
     elif model == "t5":
-        # On a GPU each site is timed: a site left unfused must say it was measured and lost.
-        assert all("measured" in why for why in rep["unfused_reasons"]), rep["unfused_reasons"]
+        # On a GPU each site is timed: a site left unfused has the reasons of the patterns that could take it.
+        assert all("norm_linear_fwd" in why or "deferred_norm" in why for why in rep["unfused_reasons"]), rep
