@@ -20,6 +20,8 @@ Per point, in ``--rounds`` alternating rounds (order rotating each round), with 
     t_fused     ``torch.compile(model, backend="fusenorm", dynamic=False)``: what users get, the dispatch included
                 (which may leave a norm unfused: ``fused`` says what its match reports list as rewritten)
     aa_ms       a second Inductor compile of the same model (its own compile, not a cache hit): the A/A
+    kernels_ms  with ``--kernels CALLS``: each call's mean GPU time per call by kernel name (torch.profiler over
+                CALLS calls), for gemms, unfused and fused: where the fused chain's time goes
 Timers: ``events`` = common.Bench("events"), do_bench (CUDA events around plain calls, launch cost included
 where the GPU waits); ``graphs`` = common.Bench("cudagraph"), the call captured in a CUDA graph and replayed (GPU
 time alone; a call that cannot be captured is timed with do_bench and the row says so in ``notes``). Peak
@@ -254,7 +256,21 @@ def _measure(p: dict, base: dict, args, device: str) -> list[dict]:
         if notes:
             out["notes"] = [f"{k}: {v}" for k, v in notes.items()]
         rows.append(derive(out))
+    if args.kernels and device == "cuda":
+        # Where the time goes: each call's GPU time by kernel (torch.profiler), the same on every timer's row.
+        kernels = {name: common.profile_kernels(fn, args.kernels) for name, fn in calls.items()
+                   if name != "unfused_aa"}
+        for r in rows:
+            r["kernels_ms"] = kernels
     return rows
+
+
+def print_kernels(r: dict, top: int = 8) -> None:
+    """The ``top`` kernels of each call of a row with ``kernels_ms`` (``--kernels``), and their sums."""
+    for name, ks in r.get("kernels_ms", {}).items():
+        print(f"    {name:>8}: {sum(ks.values()):.3f} ms in {len(ks)} kernels")
+        for k, ms in list(ks.items())[:top]:
+            print(f"      {ms:8.3f}  {k}")
 
 
 def derive(r: dict) -> dict:
@@ -421,6 +437,9 @@ def parse_args(argv=None):
     p.add_argument("--residual", default="off", help="comma list of off, on: a residual added before each norm")
     p.add_argument("--rounds", type=int, default=None, help=f"alternating rounds (default {DEFAULTS['rounds']})")
     p.add_argument("--rep-ms", type=float, default=None, help=f"Bench's rep_ms (default {DEFAULTS['rep_ms']})")
+    p.add_argument("--kernels", type=int, default=0, metavar="CALLS",
+                   help="also profile CALLS calls of the GEMMs, Inductor and fusenorm per point and record each "
+                        "one's GPU time by kernel (kernels_ms); 0: off (CUDA only)")
     p.add_argument("--min-share", type=float, default=0.10, help="the summary's rows: norm_share >= this")
     p.add_argument("--out", default=None, help=f"JSON to write (default {DEFAULT_OUT}; {DRY_OUT} with --dry-run); "
                    "the PNG goes beside it")
@@ -443,6 +462,8 @@ def parse_args(argv=None):
         assert a.shape_list and all(len(s) == 2 and min(s) > 0 for s in a.shape_list)
     except (ValueError, AssertionError):
         p.error(f"--shapes: {a.shapes!r} is not a list KxN,KxN,...")
+    if a.kernels < 0:
+        p.error(f"--kernels: {a.kernels} is not a number of calls (0: off)")
     a.rounds = a.rounds or sizes["rounds"]
     a.rep_ms = a.rep_ms or sizes["rep_ms"]
     a.out = a.out or (DRY_OUT if a.dry_run else DEFAULT_OUT)
@@ -492,6 +513,8 @@ def main(argv=None) -> dict:
                 f"(A/A {r['aa_ms']:.3f}) ms, hidden {_f(r['norm_hidden'], '.0%')}, fused: {r['fused']}")
             print(f"[{i + 1}/{len(points)}] {pt['chain']} {pt['norm']} {pt['K']}x{pt['N']} {pt['mode']} "
                   f"{r['timer']}: {state} ({time.time() - t0:.0f} s)", flush=True)
+        if new and _ok(new[0]):
+            print_kernels(new[0])
         common.write_json(args.out, {"meta": {**meta, "partial": True}, "rows": rows}, quiet=True)
     meta["wall_s"] = time.time() - t_start
     data = {"meta": meta, "rows": rows}
