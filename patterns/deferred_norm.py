@@ -34,7 +34,8 @@ that flattens a 3-D input's batch dims; fan-out: q/k/v, gate/up), and rewrites i
 
 Where the norm's row fits one tile the post-norm epilogue (``linear_norm_fwd``, order 10) gets the site first;
 Lazy Pre-Norm (``norm_linear_fwd``, 20) gets what this one leaves. Whether to defer is measured per site
-(tuning/deferred_norm.py); the match report says what was chosen and why.
+(tuning/deferred_norm.py); in an inference graph a site that Lazy Pre-Norm was measured to speed up more is
+left to it (``prenorm_saves_more``). The match report says what was chosen and why.
 """
 
 from __future__ import annotations
@@ -54,10 +55,12 @@ from fusenorm_inductor.ops import deferred_norm as dops
 from fusenorm_inductor.ops.norm_mm import normed
 from fusenorm_inductor.report import GraphReport
 from fusenorm_inductor.tuning.decide import Choice
+from fusenorm_inductor.tuning.norm_mm import prenorm_norm_ms
 from fusenorm_inductor.tuning.deferred_norm import Site, dgrad_unsupported, fp32_output_gemm, site_choice, stats_tile
 
 from .base import Pattern, bind_op_args, getitem_users, is_op, require
 from .post_norm import FLOATS
+from .pre_norm import prenorm_decision, prenorm_times
 from .views import IDENTITIES, JOINT, Gemm, GraphView, norm_backward_partners, through_identities
 
 NORM = torch.ops.fusenorm.norm.default
@@ -179,7 +182,31 @@ class DeferredNorm(Pattern):
         g_passes = 1 if plan is not None and all(_pointwise(dh) for dh in plan.dhs) else 2
         choice = self.decide(args, producer, consumers, view, m, n, n_wgrads, training, n2, g_passes)
         require(choice.fuse, choice.reason)
+        if not training and not keeps_norm and config.patterns.norm_linear_fwd:
+            why = self.prenorm_saves_more(args, consumers, view, m, n, choice)
+            require(why is None, why)
         return DeferredMatch(norm, args, producer, consumers, readers, flat, keeps_norm, choice, plan, note)
+
+    def prenorm_saves_more(self, args, consumers, view: GraphView, m, n: int, choice: Choice) -> Optional[str]:
+        """Why Lazy Pre-Norm (``norm_linear_fwd``, which gets the site when this one leaves it) should take it, or
+        None: where both were measured and pre-norm would fuse, the one that saves more time against its own
+        unfused side. The producer's GEMM is the same in both (plain under pre-norm, with the statistics under
+        deferral) and cancels out of what each saves. Inference graphs only: in training pre-norm's decision
+        does not see the backward that deferral changes."""
+        if choice.t_fused_ms is None or choice.t_unfused_ms is None:
+            return None  # not measured (CPU, measuring off): no comparison to make
+        xv = fx_utils.hinted(flat_like(val(args["x"]), m, n))
+        cons = [(*view.gemm_values(g)[1:], g.node.name) for _, g in consumers]
+        choices, why_not = prenorm_decision(xv, cons, val(args["weight"]), val(args["bias"]), args["eps"],
+                                            args["is_rms"], 0)
+        if why_not is not None or any(c.t_fused_ms is None for c in choices):
+            return None
+        t_f, t_u = prenorm_times(choices, prenorm_norm_ms(xv), 0)
+        if t_u - t_f <= choice.t_unfused_ms - choice.t_fused_ms:
+            return None
+        return (f"left to Lazy Pre-Norm (norm_linear_fwd), which saves more here (measured: {t_u - t_f:.4g} ms of "
+                f"{t_u:.4g} ms unfused, against deferral's {choice.t_unfused_ms - choice.t_fused_ms:.4g} ms of "
+                f"{choice.t_unfused_ms:.4g} ms)")
 
     def backward_plan(self, norm: Node, args: dict, consumers, readers, keeps_norm: bool, bwd: set, n: int
                       ) -> tuple[Optional[BackwardPlan], str]:

@@ -205,9 +205,7 @@ def prenorm_decision(a2: torch.Tensor, consumers: list[tuple], weight, norm_bias
     if any(c.t_fused_ms is None for c in choices):  # not measured (CPU, or measuring off)
         bad = [(name, c) for (_, _, name), c in zip(consumers, choices) if not c.fuse]
         return choices, (f"{bad[0][0]}: {bad[0][1].reason}" if bad else None)
-    t_norm = prenorm_norm_ms(a2)
-    t_fused = sum(c.t_fused_ms for c in choices) + n_wgrads * t_norm
-    t_unfused = sum(c.t_unfused_ms - t_norm for c in choices) + t_norm
+    t_fused, t_unfused = prenorm_times(choices, prenorm_norm_ms(a2), n_wgrads)
     margin = max(measure.margin_for(c.config) for c in choices)
     if t_fused < t_unfused * (1.0 - margin):
         return choices, None
@@ -219,3 +217,10 @@ def prenorm_decision(a2: torch.Tensor, consumers: list[tuple], weight, norm_bias
     # The format of tuning._choice's reasons: "(measured <fused> ms fused [what] vs <unfused> ms ...)".
     return choices, (f"left unfused: fusion would not win (measured {t_fused:.4g} ms fused [{what}] vs "
                      f"{t_unfused:.4g} ms unfused: one norm + the GEMMs)")
+
+
+def prenorm_times(choices: list[Choice], t_norm: float, n_wgrads: int) -> tuple[float, float]:
+    """(fused, unfused) ms of a norm with its consumer linears, from their measured choices: the fused GEMMs
+    plus one rebuild of norm(x) per weight gradient, against the GEMMs plus one norm for all of them."""
+    return (sum(c.t_fused_ms for c in choices) + n_wgrads * t_norm,
+            sum(c.t_unfused_ms - t_norm for c in choices) + t_norm)

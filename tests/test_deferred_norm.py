@@ -856,3 +856,30 @@ def test_fold_cache_follows_config_in_inference_graphs(fold_cache):
     calls = [n for g in graphs for n in g.nodes if n.target is torch.ops.fusenorm.deferred_mm.default]
     consumers = [n for n in calls if n.args[8] != d.NONE]
     assert consumers and all(n.args[12] is fold_cache for n in consumers)
+
+
+@pytest.mark.parametrize("pre_norm_fused_ms, taken_by", [(0.2, "norm_linear_fwd"), (0.9, "deferred_norm")])
+def test_inference_site_goes_to_whichever_saves_more(monkeypatch, pre_norm_fused_ms, taken_by):
+    """Measured (faked here), deferral saving 0.5 of 1.5 ms and Lazy Pre-Norm either 0.8 or 0.1 of its 1.0 ms:
+    the site goes to the one that saves more, and the report says why deferral left it."""
+    from fusenorm_inductor.patterns import deferred_norm as pattern
+    from fusenorm_inductor.tuning.decide import Choice
+
+    monkeypatch.setattr(pattern, "site_choice", lambda site: Choice(True, "cfg", "fused (measured)", 1.0, 1.5))
+    monkeypatch.setattr(pattern, "prenorm_decision", lambda a2, consumers, *rest: (
+        [Choice(True, "pre", "fused (measured)", pre_norm_fused_ms, 1.0) for _ in consumers], None))
+    monkeypatch.setattr(pattern, "prenorm_norm_ms", lambda a2: 0.3)
+    torch.manual_seed(12)
+    m = _params_normal(Tower(40, 48, layers=2))
+    x = torch.randn(257, 40)
+    out, rep = _compiled(m, x)
+    assert [r.pattern for r in rep.rewrites if not r.pattern.startswith("canonical")] == [taken_by]
+    left = [s.reason for s in rep.skips if s.pattern == "deferred_norm"]
+    assert bool(left) == (taken_by == "norm_linear_fwd"), left
+    assert all("left to Lazy Pre-Norm (norm_linear_fwd), which saves more here (measured: 0.8 ms" in s for s in left)
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x), rtol=1e-4, atol=1e-4)
+    # A training graph keeps deferral's own decision (pre-norm's does not see the backward deferral changes).
+    if taken_by == "norm_linear_fwd":
+        _, rep = _compiled(m, x.requires_grad_(), training=True)
+        assert any(r.pattern == "deferred_norm" for r in rep.rewrites)
