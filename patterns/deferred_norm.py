@@ -176,9 +176,11 @@ class DeferredNorm(Pattern):
         if view is JOINT and training:
             plan, note = self.backward_plan(norm, args, consumers, readers, keeps_norm, bwd, n)
         n2 = sum(val(g.node).shape[-1] for _, g in consumers) if plan is not None else 0
-        why = dgrad_unsupported(fx_utils.hinted(flat_like(xv, m, n)), n2) if plan is not None else None
+        if view is not JOINT and training:
+            n2 = self.expected_dgrad(args, consumers, keeps_norm, n, n_wgrads)
+        why = dgrad_unsupported(fx_utils.hinted(flat_like(xv, m, n)), n2) if n2 else None
         if why is not None:
-            plan, note = None, f"the Gluon kernel cannot take its input-gradient GEMM ({why})"
+            plan, n2, note = None, 0, f"the Gluon kernel cannot take its input-gradient GEMM ({why})"
         g_passes = 1 if plan is not None and all(_pointwise(dh) for dh in plan.dhs) else 2
         choice = self.decide(args, producer, consumers, view, m, n, n_wgrads, training, n2, g_passes)
         require(choice.fuse, choice.reason)
@@ -186,6 +188,21 @@ class DeferredNorm(Pattern):
             why = self.prenorm_saves_more(args, consumers, view, m, n, choice)
             require(why is None, why)
         return DeferredMatch(norm, args, producer, consumers, readers, flat, keeps_norm, choice, plan, note)
+
+    def expected_dgrad(self, args, consumers, keeps_norm: bool, n: int, n_wgrads: int) -> int:
+        """At the pre-grad stage, which has no backward to look at: the width of the deferred backward's GEMM
+        (the consumers' outputs summed) where the forward shows what ``backward_plan`` will need at the joint
+        stage, else 0. Needed: every reader of norm(x) a linear; a weight gradient that reads norm(x), with
+        the consumers' outputs no wider than x together (the backward may keep them instead of norm(x));
+        LayerNorm's fp32-output GEMM. Without this the prospect judged a training site with the norm's
+        backward left as it is, and put back norms that deferral, backward included, would have won."""
+        xv = val(args["x"])
+        n2 = sum(val(g.node).shape[-1] for _, g in consumers)
+        if keeps_norm or not n_wgrads or n2 > n:
+            return 0
+        if not args["is_rms"] and not fp32_output_gemm(xv.device, xv.dtype):
+            return 0
+        return n2
 
     def prenorm_saves_more(self, args, consumers, view: GraphView, m, n: int, choice: Choice) -> Optional[str]:
         """Why Lazy Pre-Norm (``norm_linear_fwd``, which gets the site when this one leaves it) should take it, or

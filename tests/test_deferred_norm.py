@@ -401,11 +401,19 @@ def test_training_site_sees_what_the_backward_changes(monkeypatch):
     torch.manual_seed(19)
     _compiled(Chain("rms", True, True), torch.randn(257, 40, requires_grad=True), torch.randn(257, 24),
               training=True)
-    # (the pre-grad prospect asks too: it sees no backward)
-    assert [(s.dgrad, s.g_passes) for s in sites if s.dgrad] == [(24, 1)]
+    # The pre-grad prospect asks first: it cannot see the backward, so it expects the deferred backward's GEMM
+    # from the forward, with the gradients' scaling as its own pass (2); the joint stage sees the loss's
+    # pointwise backward (1).
+    assert [(s.dgrad, s.g_passes) for s in sites] == [(24, 2), (24, 1)]
     sites.clear()
     _compiled(Tower(40, 48, layers=3), torch.randn(257, 40, requires_grad=True), training=True)
-    assert [(s.dgrad, s.g_passes) for s in sites if s.dgrad] == [(48, 2), (48, 2)]
+    assert [(s.dgrad, s.g_passes) for s in sites] == [(48, 2)] * 4
+    sites.clear()
+    # Consumers wider together than x: the backward might keep more than the norm(x) it saves; the prospect
+    # does not expect the deferred backward (the joint stage decides with the graph in hand).
+    _compiled(Chain("rms", True, True, d=16, d_out=24), torch.randn(257, 40, requires_grad=True),
+              torch.randn(257, 24), training=True)
+    assert sites[0].dgrad == 0
 
 
 def test_layernorm_backward_needs_an_fp32_output_gemm(monkeypatch):
