@@ -175,50 +175,51 @@ class DeferredNorm(Pattern):
         plan, note = None, ""
         if view is JOINT and training:
             plan, note = self.backward_plan(norm, args, consumers, readers, keeps_norm, bwd, n)
-        n2 = sum(val(g.node).shape[-1] for _, g in consumers) if plan is not None else 0
-        if view is not JOINT and training:
-            n2 = self.expected_dgrad(args, consumers, keeps_norm, n, n_wgrads)
-        why = dgrad_unsupported(fx_utils.hinted(flat_like(xv, m, n)), n2) if n2 else None
+        width = sum(val(g.node).shape[-1] for _, g in consumers)  # of the deferred backward's GEMM operand
+        if view is JOINT:
+            n2 = width if plan is not None else 0
+        else:
+            n2 = self.expected_dgrad(args, width, keeps_norm, n, n_wgrads) if training else 0
+        x2 = fx_utils.hinted(flat_like(xv, m, n))
+        why = dgrad_unsupported(x2, n2) if n2 else None
         if why is not None:
             plan, n2, note = None, 0, f"the Gluon kernel cannot take its input-gradient GEMM ({why})"
         g_passes = 1 if plan is not None and all(_pointwise(dh) for dh in plan.dhs) else 2
         choice = self.decide(args, producer, consumers, view, m, n, n_wgrads, training, n2, g_passes)
         require(choice.fuse, choice.reason)
         if not training and not keeps_norm and config.patterns.norm_linear_fwd:
-            why = self.prenorm_saves_more(args, consumers, view, m, n, choice)
+            why = self.prenorm_saves_more(args, x2, consumers, view, choice)
             require(why is None, why)
         return DeferredMatch(norm, args, producer, consumers, readers, flat, keeps_norm, choice, plan, note)
 
-    def expected_dgrad(self, args, consumers, keeps_norm: bool, n: int, n_wgrads: int) -> int:
-        """At the pre-grad stage, which has no backward to look at: the width of the deferred backward's GEMM
-        (the consumers' outputs summed) where the forward shows what ``backward_plan`` will need at the joint
-        stage, else 0. Needed: every reader of norm(x) a linear; a weight gradient that reads norm(x), with
+    def expected_dgrad(self, args, n2: int, keeps_norm: bool, n: int, n_wgrads: int) -> int:
+        """At the pre-grad stage, which has no backward to look at: ``n2``, the width of the deferred backward's
+        GEMM (the consumers' outputs summed), where the forward shows what ``backward_plan`` will need at the
+        joint stage, else 0. Needed: every reader of norm(x) a linear; a weight gradient that reads norm(x), with
         the consumers' outputs no wider than x together (the backward may keep them instead of norm(x));
         LayerNorm's fp32-output GEMM. Without this the prospect judged a training site with the norm's
         backward left as it is, and put back norms that deferral, backward included, would have won."""
         xv = val(args["x"])
-        n2 = sum(val(g.node).shape[-1] for _, g in consumers)
         if keeps_norm or not n_wgrads or n2 > n:
             return 0
         if not args["is_rms"] and not fp32_output_gemm(xv.device, xv.dtype):
             return 0
         return n2
 
-    def prenorm_saves_more(self, args, consumers, view: GraphView, m, n: int, choice: Choice) -> Optional[str]:
+    def prenorm_saves_more(self, args, x2, consumers, view: GraphView, choice: Choice) -> Optional[str]:
         """Why Lazy Pre-Norm (``norm_linear_fwd``, which gets the site when this one leaves it) should take it, or
         None: where both were measured and pre-norm would fuse, the one that saves more time against its own
         unfused side. The producer's GEMM is the same in both (plain under pre-norm, with the statistics under
         deferral) and cancels out of what each saves. Inference graphs only: in training pre-norm's decision
-        does not see the backward that deferral changes."""
+        does not see the backward that deferral changes. ``x2``: the norm's input as [M, N]."""
         if choice.t_fused_ms is None or choice.t_unfused_ms is None:
             return None  # not measured (CPU, measuring off): no comparison to make
-        xv = fx_utils.hinted(flat_like(val(args["x"]), m, n))
         cons = [(*view.gemm_values(g)[1:], g.node.name) for _, g in consumers]
-        choices, why_not = prenorm_decision(xv, cons, val(args["weight"]), val(args["bias"]), args["eps"],
+        choices, why_not = prenorm_decision(x2, cons, val(args["weight"]), val(args["bias"]), args["eps"],
                                             args["is_rms"], 0)
         if why_not is not None or any(c.t_fused_ms is None for c in choices):
             return None
-        t_f, t_u = prenorm_times(choices, prenorm_norm_ms(xv), 0)
+        t_f, t_u = prenorm_times(choices, prenorm_norm_ms(x2), 0)
         if t_u - t_f <= choice.t_unfused_ms - choice.t_fused_ms:
             return None
         return (f"left to Lazy Pre-Norm (norm_linear_fwd), which saves more here (measured: {t_u - t_f:.4g} ms of "
