@@ -24,7 +24,10 @@ Per point, in ``--rounds`` alternating rounds (order rotating each round), with 
                 CALLS calls), for gemms, unfused and fused: where the fused chain's time goes
 Timers: ``events`` = common.Bench("events"), do_bench (CUDA events around plain calls, launch cost included
 where the GPU waits); ``graphs`` = common.Bench("cudagraph"), the call captured in a CUDA graph and replayed (GPU
-time alone; a call that cannot be captured is timed with do_bench and the row says so in ``notes``). Peak
+time alone; a call that cannot be captured is timed with do_bench and the row says so in ``notes``); ``b2b``
+(not in the default) = common.Bench("backtoback"), back-to-back plain calls between two CUDA events, no L2 flush
+and no gap between calls, as a serving or training loop runs them (do_bench's flush and gap flattered the
+deferred kernels on the H200: docs/performance.md). Peak
 memory of one plain call of each (``peak_*_mib``, above what was allocated before it; train: with the
 gradients of the previous step already freed). Each (point, timer) is one row; derived:
     norm_share   (t_unfused - t_gemms) / t_unfused: what is not GEMM in Inductor's time (norms, residual adds,
@@ -73,7 +76,11 @@ import common  # noqa: E402  (the shared harness: Bench, alternating rounds, med
 CHAINS = ("chain", "tower4")
 NORMS = ("ln", "rms")
 MODES = ("infer", "train")
-TIMERS = {"events": "events", "graphs": "cudagraph"}  # row's timer name -> common.Bench's
+TIMERS = {"events": "events", "graphs": "cudagraph", "b2b": "backtoback"}  # row's timer name -> common.Bench's
+DEFAULT_TIMERS = "events,graphs"
+TIMER_TEXT = {"events": "common.Bench('events'): do_bench median, CUDA events around plain calls",
+              "graphs": "common.Bench('cudagraph'): do_bench_cudagraph median, replays of a captured CUDA graph",
+              "b2b": "common.Bench('backtoback'): median of 5 runs of back-to-back plain calls between two events"}
 WIDTHS = (256, 512, 1024, 2048, 4096)
 DEFAULTS = {"rows": 262144, "shapes": ",".join(f"{k}x{n}" for k in WIDTHS for n in WIDTHS), "rounds": 5,
             "rep_ms": 100.0}
@@ -396,9 +403,7 @@ def meta_block(args, device: str, tuning: dict) -> dict:
         "dtype": str(args.dtype).replace("torch.", ""), "rows": args.rows, "dry_run": args.dry_run,
         "grid": {"chains": args.chains, "shapes": args.shapes, "norms": args.norms, "modes": args.modes,
                  "bias": args.bias, "residual": args.residual},
-        "timers": {t: ("common.Bench('events'): do_bench median, CUDA events around plain calls" if t == "events"
-                       else "common.Bench('cudagraph'): do_bench_cudagraph median, replays of a captured CUDA graph")
-                   for t in args.timers} if device == "cuda" else "wall clock, CPU (dry run: meaningless)",
+        "timers": {t: TIMER_TEXT[t] for t in args.timers} if device == "cuda" else "wall clock, CPU (dry run: meaningless)",
         "rounds": args.rounds, "rep_ms": args.rep_ms, "min_share": args.min_share,
         "compile": "torch.compile(model, backend=..., dynamic=False); FX graph / AOTAutograd caches off; each model "
                    "its own code object (an independent compile)",
@@ -431,8 +436,8 @@ def parse_args(argv=None):
     p.add_argument("--norms", default=",".join(NORMS), help="comma list of ln, rms")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of infer (no_grad forward) and train "
                    "(forward + MSE loss + backward, gradients set to None)")
-    p.add_argument("--timers", default=",".join(TIMERS), help="comma list of events (plain calls) and graphs "
-                   "(CUDA-graph replays; skipped on the CPU)")
+    p.add_argument("--timers", default=DEFAULT_TIMERS, help="comma list of events (plain calls, do_bench), graphs "
+                   "(CUDA-graph replays; skipped on the CPU) and b2b (back-to-back plain calls)")
     p.add_argument("--bias", default="on", help="comma list of on, off: the linears' bias")
     p.add_argument("--residual", default="off", help="comma list of off, on: a residual added before each norm")
     p.add_argument("--rounds", type=int, default=None, help=f"alternating rounds (default {DEFAULTS['rounds']})")

@@ -167,10 +167,21 @@ class PeakMemory:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def backtoback_ms(fn: Callable, rep: float = 100, parts: int = 5) -> float:
+    """Median over ``parts`` of events_ms of back-to-back calls, about ``rep`` ms of them in all after one call to
+    size them: no L2 flush and no gap between calls, as a serving or training loop runs (do_bench flushes the L2
+    and leaves a gap before each call, which on the H200 flattered some kernels against others:
+    docs/performance.md, "Deferred normalization")."""
+    fn()
+    one = events_ms(fn, 1)
+    calls = max(2, int(rep / parts / max(one, 1e-3)))
+    return statistics.median(events_ms(fn, calls) for _ in range(parts))
+
+
 class Bench:
     """Times callables with the chosen timer (``"cudagraph"``: cudagraph_ms with rep = rep_ms / 10, which keeps
-    one timing at ~rep_ms of GPU time; ``"events"``: do_bench_ms with rep = rep_ms, warmup = rep_ms / 4) and reads
-    their peak memory. On the CPU (``device`` not "cuda", the dry runs) it takes wall_ms of 3 calls: that
+    one timing at ~rep_ms of GPU time; ``"events"``: do_bench_ms with rep = rep_ms, warmup = rep_ms / 4;
+    ``"backtoback"``: backtoback_ms with rep = rep_ms) and reads their peak memory. On the CPU (``device`` not "cuda", the dry runs) it takes wall_ms of 3 calls: that
     exercises the code and measures nothing of interest. ``rounds``: how many alternating rounds a benchmark
     runs with it (bench_gemm_norm)."""
 
@@ -192,6 +203,8 @@ class Bench:
             except Exception as e:  # noqa: BLE001 (e.g. a call that cannot be captured: time it anyway, say so)
                 note = f"cudagraph failed ({type(e).__name__}: {str(e)[:120]}), timed with do_bench"
                 torch.cuda.synchronize()
+        if self.timer == "backtoback":
+            return backtoback_ms(fn, rep=self.rep_ms), None
         return do_bench_ms(fn, rep=self.rep_ms, warmup=max(1.0, self.rep_ms / 4)), note
 
     def ms(self, fn: Callable) -> float:
