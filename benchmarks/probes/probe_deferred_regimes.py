@@ -3,7 +3,8 @@
 bench_deferred_norm's ``events`` timer (triton's do_bench: the L2 flushed before each call, a short idle gap
 between calls) showed the deferred chain hiding about half of its norm, where back-to-back calls and CUDA-graph
 replays (how a serving or training loop runs) showed nothing hidden or worse. This probe measures each regime
-on the chain ``x -> linear (+bias) -> norm -> linear (+bias)``, K = N = 1024, bf16, M = 262144 unless given:
+on the chain ``x -> linear (+bias) -> norm -> linear (+bias)``, K = N = 1024 (``--shape``), bf16, M = 262144
+unless given:
 
 ``--part regimes``   per norm (LayerNorm, RMSNorm) and M (262144, 16384): cuBLAS's GEMMs alone, Inductor, fusenorm,
                      each timed as do_bench (flushed), a CUDA-graph replay, 50 back-to-back calls between two
@@ -53,7 +54,7 @@ import _common  # noqa: E402
 import bench_deferred_norm as bd  # noqa: E402  (the Chain model, the GEMMs-alone call)
 import common  # noqa: E402
 
-K = N = 1024
+K = N = 1024  # --shape
 
 
 class Log:
@@ -250,10 +251,13 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=("regimes", "kernels", "span", "graph"), required=True)
     p.add_argument("--rows", default="262144,16384", help="M: comma list (kernels and span take the first)")
+    p.add_argument("--shape", default="1024x1024", help="KxN of the chain (the kernels part: of its one GEMM)")
     p.add_argument("--tuning-rep", type=float, default=10.0, help="fusenorm's tuning rep_ms (bench_deferred_norm's)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
+    global K, N
+    K, N = (int(v) for v in args.shape.split("x"))
     bd.gn.setup_torch(args.tuning_rep)
     log = Log(args.out)
     {"regimes": lambda: part_regimes(log, rows), "kernels": lambda: part_kernels(log, rows[0]),
