@@ -96,6 +96,31 @@ def test_a_failing_baseline_falls_back_to_the_estimate_with_one_warning():
     measure.clear_memory()
 
 
+def test_time_compiled_alternates_with_the_fused_side(monkeypatch):
+    """With ``against``, Inductor's code and the fused call are timed in turn, ALTERNATING_ROUNDS rounds each,
+    and the result is both medians (with Inductor's host time): the order of the timings is checked, not
+    only the arithmetic, so a version that timed one side after the other fails."""
+    order = []
+    clock = iter([5.0, 1.0, 9.0, 2.0, 6.0, 3.0])  # Inductor, fused, Inductor, fused, ...
+
+    def fake_time(fn, give_up_ms=None):
+        fn()
+        return next(clock)
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(baseline, "compile_unfused", lambda fn, inputs: lambda *a: order.append("inductor"))
+    monkeypatch.setattr(measure, "time_ms", fake_time)
+    monkeypatch.setattr(measure, "host_us", lambda call, gpu_ms=None: 40.0)
+    out = baseline.time_compiled(lambda t: t * 2, [torch.randn(4, 4)], "site", against=lambda: order.append("fused"))
+    assert order == ["inductor", "fused"] * baseline.ALTERNATING_ROUNDS
+    assert out == (6.0, 40.0, 2.0)
+    # without it, one timing of Inductor's code and its host time, as before
+    clock = iter([4.0])
+    order.clear()
+    assert baseline.time_compiled(lambda t: t * 2, [torch.randn(4, 4)], "site") == (4.0, 40.0)
+    assert order == ["inductor"]
+
+
 def test_enabled_only_on_cuda_and_by_config():
     assert not baseline.enabled(torch.device("cpu"))
     with config.patch({"tuning.measure_inductor": True}):

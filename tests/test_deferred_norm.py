@@ -828,6 +828,63 @@ def test_site_measurement_plumbing(monkeypatch):
     assert entry["t_fused_ms"] == pytest.approx(4 * 1.0 + 0.5 + 0.5)
 
 
+def test_site_forward_timed_in_turn_with_inductors_site(monkeypatch):
+    """Where Inductor's site is compiled, the fused forward is timed as one sequence of its GEMMs (producer, then
+    each consumer, in the graph's order) alternating with Inductor's site (baseline.time_compiled's
+    ``against``), and the entry uses those medians instead of the sum of the GEMMs each timed alone; the
+    backward's GEMM (training) keeps its own timing."""
+    from fusenorm_inductor.kernels import deferred as kd
+    from fusenorm_inductor.kernels.triton.common import GemmConfig
+    from fusenorm_inductor.tuning import baseline, deferred_norm as tuning, measure
+
+    cands = [GemmConfig("gl_pp", 128, 128, 64, 5, 4)]
+    launched = []
+
+    def fake_launch(args, config, alloc, plan_out=None):
+        from fusenorm_inductor.ops.deferred_norm import deferred_mm_reference
+
+        launched.append(args[1].shape[1])  # which GEMM: its output width
+        return deferred_mm_reference(*args)
+
+    def fake_time(fn, give_up_ms=None):
+        fn()
+        return 1.0
+
+    seen = {}
+
+    def fake_compiled(fn, inputs, what, against=None):
+        launched.clear()
+        against()
+        seen["order"] = list(launched)
+        return 2.5, 30.0, 1.75
+
+    monkeypatch.setattr(measure, "store", lambda key, entry, bucket=False: None)
+    monkeypatch.setattr(measure, "time_ms", fake_time)
+    monkeypatch.setattr(measure, "gemm_ms", lambda a, b, bias: 1.0)
+    monkeypatch.setattr(measure, "norm_proxy_ms", lambda *a: 0.5)
+    monkeypatch.setattr(measure, "fused_host_us", lambda launch, gpu_ms=None: 7.0)
+    monkeypatch.setattr(baseline, "enabled", lambda device: True)
+    monkeypatch.setattr(baseline, "time_compiled", fake_compiled)
+    monkeypatch.setattr(tuning, "deferred_candidates", lambda a, b, out_tile: cands)
+    monkeypatch.setattr(kd, "launch", fake_launch)
+    measure.clear_memory()
+    a, wp, x = torch.randn(300, 48), torch.randn(48, 40), torch.randn(300, 40)
+    consumers = [(torch.randn(40, 24), torch.randn(24)), (torch.randn(40, 16), None)]
+    producer = (a, wp, None, None, None, None, None, 0.0, 0, 0)
+    site = tuning.Site(x, producer, consumers, torch.randn(40), None, 1e-5, LN, wgrads=0, cache=False)
+    entry = tuning._measure_site(site)
+    assert seen["order"] == [40, 24, 16]  # the producer, then the consumers
+    assert entry["t_fused_ms"] == pytest.approx(1.75)  # the sequence's median, not 3 x 1.0
+    assert entry["t_unfused_ms"] == pytest.approx(2.5) and entry["unfused_by"] == "inductor"
+    # training, the backward deferred: the forward sequence as above, plus the backward GEMM timed alone, the
+    # write of its operand; Inductor's side gets the unfused backward's estimate
+    site = tuning.Site(x, producer, consumers, torch.randn(40), None, 1e-5, LN, wgrads=2, cache=False, dgrad=40)
+    entry = tuning._measure_site(site)
+    assert seen["order"] == [40, 24, 16]  # the backward's GEMM is not in the forward sequence
+    assert entry["t_fused_ms"] == pytest.approx(1.75 + 1.0 + 0.5)
+    assert entry["t_unfused_ms"] == pytest.approx(2.5 + 2 * 1.0 + 0.5)
+
+
 def test_site_decision_uses_the_deferral_margin(monkeypatch):
     """A site measured 12% faster than Inductor's own compiled site defers: it is judged at
     ``tuning.margin_deferred``, not at the whole-row kernels' Gluon margin (15%), which no site whose norm is

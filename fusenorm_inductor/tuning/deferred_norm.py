@@ -8,8 +8,9 @@ site is deferred at all.
   ``deferred_key`` (tuning/measure.py), else the first candidate.
 - ``site_choice``: the pattern's compile-time decision for one norm site (patterns/deferred_norm.py): the
   fused GEMMs of the site (the producer that writes the statistics, each consumer that applies them) timed
-  against the unfused site, Inductor's own code for it where it compiles (tuning/baseline.py), else cuBLAS's
-  GEMMs plus the norm at copy speed; by tuning/decide.py's rules. Where nothing is measured (CPU,
+  against the unfused site: Inductor's own code for it where it compiles (tuning/baseline.py; the fused
+  GEMMs then run as one sequence, timed in turn with it), else cuBLAS's GEMMs plus the norm at copy speed;
+  by tuning/decide.py's rules. Where nothing is measured (CPU,
   measuring off, deterministic mode), a site whose producer is a GEMM is deferred; one whose input comes
   from pointwise code is left to Lazy Pre-Norm (which computes the statistics in its consumer's mainloop)
   while that pattern is on.
@@ -184,7 +185,7 @@ def _measure_site(site: Site) -> dict:
             # the backward's GEMM of the consumers' scaled gradients, the norm's backward in its epilogue
             rows = like(torch.empty((1 if norm == 1 else 3, m), device="meta"), dev)
             calls.append((*gemm(site.dgrad), None, rx, None, None, None, 0.0, 0, 0, 0, 0, False, rows))
-        t_fused, labels, best_all, hosts = 0.0, {}, [], []
+        t_fused, labels, best_all, hosts, launches, times_best = 0.0, {}, [], [], [], []
         for args in calls:
             key = deferred_key(*args[:7], args[8], args[10], args[11], args[13])
             best, times = measure.time_candidates(
@@ -192,13 +193,14 @@ def _measure_site(site: Site) -> dict:
                 lambda c, args=args: op.launch(args, c, _alloc))
             measure.store(key, measure.make_entry(best, times, None), bucket=True)
             t_fused += times[best]
+            times_best.append(times[best])
             best_all.append(best)
             # Each GEMM of the site is its own call in the compiled graph: the site pays their host times, each
             # through the cached launch plan, as the op's CUDA path calls it.
             made: list = []
-            hosts.append(measure.fused_host_us(
-                lambda args=args, best=best, made=made: made[0](*args) if made else op.launch(args, best, _alloc, made),
-                times[best]))
+            launches.append(lambda args=args, best=best, made=made: made[0](*args) if made
+                            else op.launch(args, best, _alloc, made))
+            hosts.append(measure.fused_host_us(launches[-1], times[best]))
             labels.update({f"GEMM {len(best_all)}: {c.label()}": t for c, t in times.items()})
         forward = calls[:-1] if site.dgrad else calls
         t_gemms = sum(measure.gemm_ms(c[0], c[1], c[2]) for c in forward)
@@ -231,7 +233,18 @@ def _measure_site(site: Site) -> dict:
         if site.producer is not None:
             built = baseline.norm_site_fn(*calls[0][:4], rw, rnb, site.eps, norm == 1,
                                           [(c[1], c[2]) for c in calls[1:len(forward)]])
-        ind = baseline.time_compiled(*built, "norm site") if built is not None and baseline.enabled(x.device) else None
+        ind = None
+        if built is not None and baseline.enabled(x.device):
+            # The forward's GEMMs, in the graph's order, timed in turn with Inductor's site: the fused side's
+            # forward is that sequence's median, not the sum of its GEMMs each timed alone at another moment.
+            def forward_sequence(run=launches[:len(forward)]):
+                for launch in run:
+                    launch()
+
+            timed = baseline.time_compiled(*built, "norm site", against=forward_sequence)
+            if timed is not None:
+                t_fused += timed[2] - sum(times_best[:len(forward)])
+                ind = timed[:2]
         if ind is not None and site.dgrad:
             ind = None if t_bwd is None else (ind[0] + t_bwd, ind[1])
     best = best_all[0]
