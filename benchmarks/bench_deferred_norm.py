@@ -403,7 +403,8 @@ def meta_block(args, device: str, tuning: dict) -> dict:
         "dtype": str(args.dtype).replace("torch.", ""), "rows": args.rows, "dry_run": args.dry_run,
         "grid": {"chains": args.chains, "shapes": args.shapes, "norms": args.norms, "modes": args.modes,
                  "bias": args.bias, "residual": args.residual},
-        "timers": {t: TIMER_TEXT[t] for t in args.timers} if device == "cuda" else "wall clock, CPU (dry run: meaningless)",
+        "timers": ({t: TIMER_TEXT[t] for t in args.timers} if device == "cuda"
+                   else "wall clock, CPU (dry run: meaningless)"),
         "rounds": args.rounds, "rep_ms": args.rep_ms, "min_share": args.min_share,
         "compile": "torch.compile(model, backend=..., dynamic=False); FX graph / AOTAutograd caches off; each model "
                    "its own code object (an independent compile)",

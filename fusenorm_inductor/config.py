@@ -152,8 +152,9 @@ class tuning:
     margin_gluon: float = 0.15
     # The same for a deferred-normalization site: its forward GEMMs in sequence, timed in turn with Inductor's
     # own compiled site on the same inputs (medians of alternating rounds), so no estimate is in the
-    # comparison and the margin only has to cover the timings' spread. It must stay well below the norm's share of the site, which is all a deferral can save
-    # (docs/performance.md, "Deferred normalization"): with the whole-row margins no site ever deferred.
+    # comparison and the margin only has to cover the timings' spread. It must stay well below the norm's
+    # share of the site, which is all a deferral can save (docs/performance.md, "Deferred normalization"):
+    # with the whole-row margins no site ever deferred.
     margin_deferred: float = 0.05
     # Without CUDA graphs each side of the decision takes at least host_weight x its host time per call.
     # Weighted because the compiled graph's own host work per step (guards, wrappers, allocations) runs on

@@ -10,10 +10,9 @@ site is deferred at all.
   fused GEMMs of the site (the producer that writes the statistics, each consumer that applies them) timed
   against the unfused site: Inductor's own code for it where it compiles (tuning/baseline.py; the fused
   GEMMs then run as one sequence, timed in turn with it), else cuBLAS's GEMMs plus the norm at copy speed;
-  by tuning/decide.py's rules. Where nothing is measured (CPU,
-  measuring off, deterministic mode), a site whose producer is a GEMM is deferred; one whose input comes
-  from pointwise code is left to Lazy Pre-Norm (which computes the statistics in its consumer's mainloop)
-  while that pattern is on.
+  by tuning/decide.py's rules. Where nothing is measured (CPU, measuring off, deterministic mode), a site
+  whose producer is a GEMM is deferred; one whose input comes from pointwise code is left to Lazy Pre-Norm
+  (which computes the statistics in its consumer's mainloop) while that pattern is on.
 """
 
 from __future__ import annotations
