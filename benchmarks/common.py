@@ -182,8 +182,8 @@ class Bench:
     """Times callables with the chosen timer (``"cudagraph"``: cudagraph_ms with rep = rep_ms / 10, which keeps
     one timing at ~rep_ms of GPU time; ``"events"``: do_bench_ms with rep = rep_ms, warmup = rep_ms / 4;
     ``"backtoback"``: backtoback_ms with rep = rep_ms) and reads their peak memory. On the CPU (``device`` not
-    "cuda", the dry runs) it takes wall_ms of 3 calls: that exercises the code and measures nothing of interest. ``rounds``: how many alternating rounds a benchmark
-    runs with it (bench_gemm_norm)."""
+    "cuda", the dry runs) it takes wall_ms of 3 calls: that exercises the code and measures nothing of interest.
+    ``rounds``: how many alternating rounds a benchmark runs with it (bench_gemm_norm)."""
 
     def __init__(self, timer: str, rep_ms: float, device: str, rounds: int = 1):
         self.timer, self.rep_ms, self.cuda, self.rounds = timer, rep_ms, device == "cuda", rounds

@@ -184,14 +184,13 @@ def _measure_site(site: Site) -> dict:
             # the backward's GEMM of the consumers' scaled gradients, the norm's backward in its epilogue
             rows = like(torch.empty((1 if norm == 1 else 3, m), device="meta"), dev)
             calls.append((*gemm(site.dgrad), None, rx, None, None, None, 0.0, 0, 0, 0, 0, False, rows))
-        t_fused, labels, best_all, hosts, launches, times_best = 0.0, {}, [], [], [], []
+        labels, best_all, hosts, launches, times_best = {}, [], [], [], []
         for args in calls:
             key = deferred_key(*args[:7], args[8], args[10], args[11], args[13])
             best, times = measure.time_candidates(
                 deferred_candidates(args[0], args[1], args[11]),
                 lambda c, args=args: op.launch(args, c, _alloc))
             measure.store(key, measure.make_entry(best, times, None), bucket=True)
-            t_fused += times[best]
             times_best.append(times[best])
             best_all.append(best)
             # Each GEMM of the site is its own call in the compiled graph: the site pays their host times, each
@@ -224,10 +223,10 @@ def _measure_site(site: Site) -> dict:
             # norm(x) rebuilt in the backward for the weight gradients: one write, fused into the norm's backward
             t_extra = measure.norm_proxy_ms(m, n, x.dtype, 1, x.device) if site.wgrads else 0.0
         if t_norm is None or t_extra is None or t_bwd is None:
-            t_est = None
+            t_est, t_extra = None, 0.0
         else:
             t_est = t_gemms + t_norm + t_bwd
-            t_fused += t_extra
+        t_forward = sum(times_best[:len(forward)])
         built = None
         if site.producer is not None:
             built = baseline.norm_site_fn(*calls[0][:4], rw, rnb, site.eps, norm == 1,
@@ -242,10 +241,10 @@ def _measure_site(site: Site) -> dict:
 
             timed = baseline.time_compiled(*built, "norm site", against=forward_sequence)
             if timed is not None:
-                t_fused += timed[2] - sum(times_best[:len(forward)])
-                ind = timed[:2]
+                t_forward, ind = timed[2], timed[:2]
         if ind is not None and site.dgrad:
             ind = None if t_bwd is None else (ind[0] + t_bwd, ind[1])
+        t_fused = t_forward + sum(times_best[len(forward):]) + t_extra
     best = best_all[0]
     h_fused = None if None in hosts else sum(hosts)
     entry = measure.make_entry(best, {best: t_fused}, t_est, h_fused, ind)
