@@ -121,6 +121,44 @@ def test_time_compiled_alternates_with_the_fused_side(monkeypatch):
     assert order == ["inductor"]
 
 
+_NESTED_STEP = """
+import torch
+from torch._dynamo.convert_frame import compile_lock
+from fusenorm_inductor.tuning import baseline
+
+def step():
+    x = torch.randn(5, 8, requires_grad=True)
+    w = torch.randn(3, 8, requires_grad=True)
+    f = baseline.compile_unfused(lambda a, b: (torch.nn.functional.linear(a, b).relu().sum(),), [x, w],
+                                 training=True)
+    torch.autograd.backward(f(x, w)[0])
+    mask = (x @ w.t() > 0).float()
+    torch.testing.assert_close(x.grad, mask @ w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, mask.t() @ x, rtol=1e-5, atol=1e-5)
+    return "gradients ok"
+
+def backend(gm, example_inputs):
+    print("owned", compile_lock._is_owned(), baseline.in_worker(step), compile_lock._is_owned(), flush=True)
+    return gm.forward
+
+torch.compile(lambda t: t + 1, backend=backend)(torch.randn(4))
+"""
+
+
+def test_a_nested_training_compile_runs_inside_an_outer_compile():
+    """Inside torch.compile (dynamo holds its compile lock while a backend runs, as while fusenorm's passes
+    decide) the worker compiles a training step with Inductor and runs its backward, which Inductor compiles
+    at that first call under the same lock: ``in_worker`` lends the lock for the wait, so the step finishes
+    with the right gradients and the outer compile has its lock back. In a subprocess with a time limit: a
+    worker left waiting for the lock would hang this process, not fail."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _NESTED_STEP], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "owned True gradients ok True" in out.stdout, out.stdout[-2000:]
+
+
 def test_enabled_only_on_cuda_and_by_config():
     assert not baseline.enabled(torch.device("cpu"))
     with config.patch({"tuning.measure_inductor": True}):

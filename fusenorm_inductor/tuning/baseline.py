@@ -7,7 +7,9 @@ in) and one generated Triton kernel for the bias/residual add and the norm. Its 
 its host time per call (the compiled wrapper's, without CUDA graphs) both go into the decision.
 
 The compile runs in a worker thread: the outer compile's fake mode, tracing context and Inductor's
-virtualized graph are thread-local, so the nested compile sees none of them, and the outer one waits for it.
+virtualized graph are thread-local, so the nested compile sees none of them, and the outer one waits for it
+(``in_worker``), handing the worker dynamo's compile lock meanwhile: Inductor compiles a backward lazily, at
+its first call, under that lock, which the outer compile holds.
 When it fails (any exception), ``time_compiled`` warns once per reason and returns None: the decision then
 falls back to the estimate (cuBLAS + a norm at copy speed, ops/measure.py) and its reason says so.
 ``config.tuning.measure_inductor`` off uses the estimate without compiling (a first compile is shorter).
@@ -155,6 +157,38 @@ def compile_unfused(fn: Callable, inputs: list, training: bool = False,
         _local.on = was
 
 
+def _compile_lock():
+    """Dynamo's compile lock (a reentrant lock the compiling thread holds), or None where this torch has none."""
+    try:
+        from torch._dynamo.convert_frame import compile_lock
+    except ImportError:
+        return None
+    return compile_lock
+
+
+def in_worker(work: Callable[[], object]):
+    """``work()``'s result, run in a worker thread while this one waits (raises what it raised). Where this
+    thread holds dynamo's compile lock (fusenorm's passes run inside a compile), the lock is released for the
+    wait and taken back after, at its recursion depth: the worker's Inductor compiles a training step's
+    backward under that lock at the step's first backward, and would otherwise wait for this thread forever.
+    A torch whose lock cannot be lent that way gets no worker: RuntimeError, which the callers' fallback
+    (the estimate) takes."""
+    lock = _compile_lock()
+    owned = lock is not None and getattr(lock, "_is_owned", lambda: False)()
+    if owned and not (hasattr(lock, "_release_save") and hasattr(lock, "_acquire_restore")):
+        raise RuntimeError("dynamo's compile lock cannot be released for a nested compile")
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fusenorm-baseline") as pool:
+        if not owned:
+            return pool.submit(work).result()
+        state = lock._release_save()
+        try:
+            future = pool.submit(work)
+            concurrent.futures.wait([future])
+        finally:
+            lock._acquire_restore(state)
+        return future.result()
+
+
 # Rounds of ``time_compiled(..., against=)``: Inductor's code and the fused side timed in turn, medians.
 ALTERNATING_ROUNDS = 3
 
@@ -189,9 +223,8 @@ def time_compiled(fn: Callable, inputs: list, what: str, against: Optional[Calla
             return ms, (measure.host_us(call, gpu_ms=ms) if ms < float("inf") else None), statistics.median(theirs)
 
     try:
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fusenorm-baseline") as pool:
-            out = pool.submit(work).result()
-            ms, us = out[:2]
+        out = in_worker(work)
+        ms, us = out[:2]
     except Exception as e:  # noqa: BLE001 - the estimate stands in; the warning says why
         err = measure.first_line(e)
         measure.warn_once(("baseline", err), f"could not compile and time Inductor's code for the unfused {what} "
@@ -239,8 +272,7 @@ def time_training_step(fn: Callable, inputs: list, what: str, decompositions: Op
             measure.add_spent("timing", time.perf_counter() - t1)
 
     try:
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fusenorm-baseline") as pool:
-            ms = pool.submit(work).result()
+        ms = in_worker(work)
     except Exception as e:  # noqa: BLE001 - the decision then declines (it cannot judge the step)
         err = measure.first_line(e)
         measure.warn_once(("step", err), f"could not compile and time a training step of the {what} ({err})")
