@@ -19,6 +19,11 @@ unless given:
 ``--part span``      LayerNorm: 40 back-to-back calls of each under torch.profiler: the GPU's busy time per call
                      (the kernels' sum) against the span from the first kernel's start to the last one's end;
                      the difference is time the GPU waited for the host. Two rounds.
+``--part tuner``     the producer and consumer GEMMs (LayerNorm) of the first two Gluon candidates and cuBLAS's
+                     ``F.linear``, each called the way the dispatch times candidates (``kernels.deferred.launch``:
+                     a plan made and the fold run per call) and through the op's cached plan: the dispatch's
+                     timer (``measure.time_ms``, CUDA-graph replays), do_bench, 200 back-to-back calls, the
+                     host time per call; and the kernels of a CUDA graph of 10 calls, by name. Two rounds.
 ``--part graph``     LayerNorm: each call captured in a CUDA graph (``torch.cuda.graph``) and replayed 40 times
                      under torch.profiler, then 40 eager calls the same way: GPU time per call by kernel in
                      each, and the replays' time per call between two events. Two rounds.
@@ -245,11 +250,70 @@ def part_graph(P, m: int) -> None:
                       f"{sum(by_name.values()):.3f}: " + ", ".join(f"{k} {v:.3f}" for k, v in top))
 
 
+def part_tuner(P, m: int) -> None:
+    """The deferred GEMMs as the dispatch times them against the other timers, per kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fusenorm_inductor.kernels import deferred as op
+    from fusenorm_inductor.kernels.deferred import LN, NONE, partial_stats
+    from fusenorm_inductor.kernels.hopper import deferred_mm as hopper
+    from fusenorm_inductor.ops.deferred_norm import _alloc
+    from fusenorm_inductor.tuning import measure
+
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    a = torch.randn(m, K, device="cuda", dtype=dt)
+    w = torch.randn(N, K, device="cuda", dtype=dt) / 32
+    bias = torch.randn(N, device="cuda", dtype=dt)
+    nw = 1 + 0.1 * torch.randn(K, device="cuda", dtype=dt)
+    nb = 0.1 * torch.randn(K, device="cuda", dtype=dt)
+    stats = partial_stats(a, LN, 128)
+    b = w.t()
+    calls = {"cublas": lambda: F.linear(a, w, bias)}
+    for cfg in hopper.candidates(a, b, 128)[:2]:
+        prod = (a, b, bias, None, None, None, None, 0.0, NONE, 0, LN, 128, False, None)
+        cons = (a, b, bias, None, stats, nw, nb, 1e-5, LN, 128, NONE, 0, False, None)
+        for kind, args in (("prod", prod), ("cons", cons)):
+            made: list = []
+            op.launch(args, cfg, _alloc, made)
+            # the tuner's call (a plan made per call, the fold per call) and the op's cached plan
+            calls[f"{kind} {cfg.label()} tuner"] = lambda c=cfg, args=args: op.launch(args, c, _alloc)
+            calls[f"{kind} {cfg.label()} plan"] = lambda args=args, made=made: made[0](*args)
+    for fn in calls.values():
+        fn()
+    torch.cuda.synchronize()
+    for rnd in range(2):
+        for name, fn in calls.items():
+            tuner = measure.time_ms(fn)
+            flushed = common.do_bench_ms(fn, rep=50, warmup=10)
+            b2b = common.events_ms(fn, 200)
+            host = measure.host_us(fn)
+            P(f"round {rnd} {name:34s} time_ms {tuner:.3f} flushed {flushed:.3f} b2b {b2b:.3f} ms host {host:.0f} us")
+            if rnd == 0:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(10):
+                        fn()
+                g.replay()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    g.replay()
+                    torch.cuda.synchronize()
+                by_name: dict[str, list] = {}
+                for e in prof.events():
+                    if e.device_type == torch.autograd.DeviceType.CUDA:
+                        v = by_name.setdefault(e.name[:48], [0, 0.0])
+                        v[0] += 1
+                        v[1] += e.device_time / 10 / 1e3
+                P("    graph of 10 by kernel (calls, ms per fn call): "
+                  + "; ".join(f"{k} x{c} {t:.3f}" for k, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])))
+
+
 def main() -> None:
     doc = __doc__.split("\n\n")
     p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("regimes", "kernels", "span", "graph"), required=True)
+    p.add_argument("--part", choices=("regimes", "kernels", "span", "graph", "tuner"), required=True)
     p.add_argument("--rows", default="262144,16384", help="M: comma list (kernels and span take the first)")
     p.add_argument("--shape", default="1024x1024", help="KxN of the chain (the kernels part: of its one GEMM)")
     p.add_argument("--tuning-rep", type=float, default=10.0, help="fusenorm's tuning rep_ms (bench_deferred_norm's)")
@@ -261,7 +325,8 @@ def main() -> None:
     bd.gn.setup_torch(args.tuning_rep)
     log = Log(args.out)
     {"regimes": lambda: part_regimes(log, rows), "kernels": lambda: part_kernels(log, rows[0]),
-     "span": lambda: part_span(log, rows[0]), "graph": lambda: part_graph(log, rows[0])}[args.part]()
+     "span": lambda: part_span(log, rows[0]), "graph": lambda: part_graph(log, rows[0]),
+     "tuner": lambda: part_tuner(log, rows[0])}[args.part]()
 
 
 if __name__ == "__main__":
