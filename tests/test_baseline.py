@@ -234,6 +234,45 @@ def test_decision_measures_inductors_code_inside_a_fusenorm_compile(tmp_path, re
     torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
 
 
+_TRAINING_STEP = """
+import tempfile
+import torch
+import torch.nn as nn
+import fusenorm_inductor
+from fusenorm_inductor import config
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256)).cuda().to(torch.bfloat16)
+x = torch.randn(8192, 256, device="cuda", dtype=torch.bfloat16)
+with config.patch({"tuning.measure": True, "tuning.measure_inductor": True,
+                   "tuning.cache_dir": tempfile.mkdtemp(), "tuning.rep_ms": 5.0}):
+    y = torch.compile(model, backend="fusenorm", dynamic=False)(x)
+    y.float().square().mean().backward()
+torch.cuda.synchronize()
+ref = nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256)).cuda()
+ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+ref(x.float()).square().mean().backward()
+torch.testing.assert_close(model[0].weight.grad.float(), ref[0].weight.grad, rtol=5e-2, atol=5e-3)
+reasons = [s.reason for rep in fusenorm_inductor.report.reports() for s in rep.skips]
+reasons += [r.detail for rep in fusenorm_inductor.report.reports() for r in rep.rewrites]
+print("step done;", " | ".join(reasons)[:2000])
+"""
+
+
+@cuda
+def test_a_training_step_with_a_narrow_post_norm_compiles_inside_fusenorm():
+    """On the GPU, the first training step of linear -> LayerNorm (a 256-wide row: the post-norm epilogue's
+    training decision times Inductor's whole step, whose backward Inductor compiles lazily under dynamo's
+    compile lock) finishes and trains as the fp32 model does. In a subprocess with a time limit: this hung
+    before the outer compile lent the lock to the nested one."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _TRAINING_STEP], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step done" in out.stdout, out.stdout[-2000:]
+
+
 @pytest.mark.parametrize("t_fused,h_fused,cudagraphs,want", [
     (0.85, 10.0, False, True),    # on the line (0.85 x 1.0): Inductor's code decides
     (0.60, 10.0, False, False),   # a clear win against the estimate
