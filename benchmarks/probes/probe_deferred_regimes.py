@@ -156,10 +156,10 @@ def sustained(fn, calls: int) -> tuple[float, float, float]:
     return ms, sum(s[0] for s in samples) / n, sum(s[1] for s in samples) / n
 
 
-def part_kernels(P, m: int) -> None:
-    from fusenorm_inductor.kernels.deferred import LN, NONE, partial_stats
-    from fusenorm_inductor.kernels.hopper import deferred_mm as hopper
-    from fusenorm_inductor.ops.deferred_norm import deferred_mm_tuned
+def gemm_operands(m: int) -> tuple:
+    """(a [m, K], w [N, K], b = w.t(), bias, norm weight and bias [K], a's LayerNorm statistics in 128-column
+    tiles): one GEMM of the chain, bf16, seeded."""
+    from fusenorm_inductor.kernels.deferred import LN, partial_stats
 
     torch.manual_seed(0)
     dt = torch.bfloat16
@@ -168,8 +168,24 @@ def part_kernels(P, m: int) -> None:
     bias = torch.randn(N, device="cuda", dtype=dt)
     nw = 1 + 0.1 * torch.randn(K, device="cuda", dtype=dt)
     nb = 0.1 * torch.randn(K, device="cuda", dtype=dt)
-    stats = partial_stats(a, LN, 128)
-    b = w.t()
+    return a, w, w.t(), bias, nw, nb, partial_stats(a, LN, 128)
+
+
+def kernel_ms(prof, calls: int) -> dict:
+    """GPU ms per call of each kernel name (cut to 48 characters) in a torch.profiler run of ``calls`` calls."""
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name[:48]] = out.get(e.name[:48], 0.0) + e.device_time / calls / 1e3
+    return out
+
+
+def part_kernels(P, m: int) -> None:
+    from fusenorm_inductor.kernels.deferred import LN, NONE
+    from fusenorm_inductor.kernels.hopper import deferred_mm as hopper
+    from fusenorm_inductor.ops.deferred_norm import deferred_mm_tuned
+
+    a, w, b, bias, nw, nb, stats = gemm_operands(m)
     calls = {"cublas": lambda: F.linear(a, w, bias)}
     for cfg in hopper.candidates(a, b, 128):
         label = cfg.label()
@@ -208,10 +224,7 @@ def part_span(P, m: int) -> None:
                 ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
                 busy = sum(e.device_time for e in ev) / 40 / 1e3
                 span = (max(e.time_range.end for e in ev) - min(e.time_range.start for e in ev)) / 40 / 1e3
-                by_name: dict[str, float] = {}
-                for e in ev:
-                    by_name[e.name[:40]] = by_name.get(e.name[:40], 0.0) + e.device_time / 40 / 1e3
-                top = sorted(by_name.items(), key=lambda kv: -kv[1])[:4]
+                top = sorted(kernel_ms(prof, 40).items(), key=lambda kv: -kv[1])[:4]
                 P(f"round {rnd} {name}: busy {busy:.3f} ms/call, span {span:.3f} ms/call, idle {span - busy:.3f}; "
                   + ", ".join(f"{k} {v:.3f}" for k, v in top))
 
@@ -241,10 +254,7 @@ def part_graph(P, m: int) -> None:
                             fn()
                         e1.record()
                         torch.cuda.synchronize()
-                    by_name: dict[str, float] = {}
-                    for e in prof.events():
-                        if e.device_type == torch.autograd.DeviceType.CUDA:
-                            by_name[e.name[:40]] = by_name.get(e.name[:40], 0.0) + e.device_time / 40 / 1e3
+                    by_name = kernel_ms(prof, 40)
                     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:4]
                     P(f"round {rnd} {name} {how}: {e0.elapsed_time(e1) / 40:.3f} ms/call (events); kernels "
                       f"{sum(by_name.values()):.3f}: " + ", ".join(f"{k} {v:.3f}" for k, v in top))
@@ -255,20 +265,12 @@ def part_tuner(P, m: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from fusenorm_inductor.kernels import deferred as op
-    from fusenorm_inductor.kernels.deferred import LN, NONE, partial_stats
+    from fusenorm_inductor.kernels.deferred import LN, NONE
     from fusenorm_inductor.kernels.hopper import deferred_mm as hopper
     from fusenorm_inductor.ops.deferred_norm import _alloc
     from fusenorm_inductor.tuning import measure
 
-    torch.manual_seed(0)
-    dt = torch.bfloat16
-    a = torch.randn(m, K, device="cuda", dtype=dt)
-    w = torch.randn(N, K, device="cuda", dtype=dt) / 32
-    bias = torch.randn(N, device="cuda", dtype=dt)
-    nw = 1 + 0.1 * torch.randn(K, device="cuda", dtype=dt)
-    nb = 0.1 * torch.randn(K, device="cuda", dtype=dt)
-    stats = partial_stats(a, LN, 128)
-    b = w.t()
+    a, w, b, bias, nw, nb, stats = gemm_operands(m)
     calls = {"cublas": lambda: F.linear(a, w, bias)}
     for cfg in hopper.candidates(a, b, 128)[:2]:
         prod = (a, b, bias, None, None, None, None, 0.0, NONE, 0, LN, 128, False, None)
@@ -299,14 +301,8 @@ def part_tuner(P, m: int) -> None:
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     g.replay()
                     torch.cuda.synchronize()
-                by_name: dict[str, list] = {}
-                for e in prof.events():
-                    if e.device_type == torch.autograd.DeviceType.CUDA:
-                        v = by_name.setdefault(e.name[:48], [0, 0.0])
-                        v[0] += 1
-                        v[1] += e.device_time / 10 / 1e3
-                P("    graph of 10 by kernel (calls, ms per fn call): "
-                  + "; ".join(f"{k} x{c} {t:.3f}" for k, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])))
+                P("    graph of 10 by kernel (ms per fn call): "
+                  + "; ".join(f"{k} {t:.3f}" for k, t in sorted(kernel_ms(prof, 10).items(), key=lambda kv: -kv[1])))
 
 
 def main() -> None:
