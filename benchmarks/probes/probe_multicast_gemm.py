@@ -1,0 +1,230 @@
+"""Probe (CPU now, GPU later): a persistent, warp-specialized GEMM whose CTA pairs share B by TMA multicast,
+written in the multi-CTA model of newer tritons' Gluon, compiled for sm_90a.
+
+Why: at K = N = 1024 the deferred GEMMs ran 13-26% over cuBLAS (docs/performance.md, "Deferred
+normalization"), whose kernel for these shapes (``nvjet_sm90_tst_128x256_64x4_2x1``) runs CTA pairs that load
+the shared operand once. ``probe_multicast_compile.py`` showed that triton 3.9's Gluon compiles one such tile;
+this writes the whole mainloop, which needs a stage of B released by *both* CTAs before it is loaded again:
+
+- the pair is one program (``num_ctas=2``): A [2 * BM, BK] is sharded over the CTAs (each loads its BM rows),
+  B [BN, BK] is loaded once by CTA 0 and multicast into both CTAs' shared memory (the compiled PTX predicates
+  the multicast copy on ``%cluster_ctarank == 0``);
+- ``ready[s]``: one barrier per CTA (``allocate_mbarrier``), expecting that CTA's A bytes and the whole B;
+- ``empty_a[s]``: one barrier per CTA: its consumer released its A slot (its loader overwrites only that);
+- ``empty_b[s]``: one barrier for the pair (a broadcast CGA layout, ``[[0, 0]]``): it lives in CTA 0, both
+  consumers arrive on it (the PTX arrives at the CTA-0 address of the cluster window), and only CTA 0 waits
+  on it (the others skip the wait), which is what the multicasting loader needs. On sm_90a Gluon has no
+  multicast arrive (``mbarrier.arrive.multicast::cluster`` is sm_100), so this gather is the way to release.
+
+The consumer (one partition of ``num_warps`` warps, the accumulator [2 * BM, BN] sharded like A) runs the same
+wgmma loop as gemm_core's cooperative schedule and stores each tile through shared memory by TMA. It prints
+whether it compiles, the shared memory per CTA, and the PTX's multicast copies, cluster arrives and wgmmas.
+Nothing is launched here: ``--run`` (on a GPU with this triton) also times it against cuBLAS and checks the
+product, the step the next device session takes.
+
+    .venv-next/bin/python benchmarks/probes/probe_multicast_gemm.py            # compile for sm_90a (CPU)
+    python benchmarks/probes/probe_multicast_gemm.py --run --shape 1024x1024   # a GPU with triton >= 3.9
+
+Results (compile only, triton 3.9.0, 2026-12-05): benchmarks/results/probe_multicast_gemm.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+try:  # the multi-CTA API (triton >= 3.9 here); triton 3.6 has none: the probe says so and stops
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+
+    HAVE_MULTI_CTA = hasattr(mbarrier, "allocate_mbarrier")
+except ImportError:
+    HAVE_MULTI_CTA = False
+
+BM, BN, BK, STAGES, WARPS = 128, 256, 64, 3, 8  # per CTA: cuBLAS's tile for these shapes
+
+
+@gluon.jit
+def _tiles(M, N, BM2: gl.constexpr, BN: gl.constexpr):
+    return gl.cdiv(M, BM2) * gl.cdiv(N, BN)
+
+
+@gluon.jit
+def _coords(t, N, BN: gl.constexpr):
+    """(row block, N tile) of pair tile t: row block major, as gemm_core walks."""
+    n_tiles = gl.cdiv(N, BN)
+    pm = t // n_tiles
+    return pm, t - pm * n_tiles
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty_a, empty_b, M, N, K):
+    BM2: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    S: gl.constexpr = a_bufs.type.shape[0]
+    k_tiles = gl.cdiv(K, BK)
+    c = 0
+    for t in range(gl.program_id(0), _tiles(M, N, BM2, BN), gl.num_programs(0)):
+        pm, pn = _coords(t, N, BN)
+        for kk in range(k_tiles):
+            s = c % S
+            phase = ((c // S) & 1) ^ 1  # a fresh barrier has completed the phase before phase 0
+            mbarrier.wait(empty_a.index(s), phase)
+            mbarrier.wait(empty_b.index(s), phase)  # CTA 0 only: both consumers released B's slot
+            bar = ready.index(s)
+            mbarrier.expect(bar, a_desc.nbytes_per_cta + b_desc.nbytes_per_cta)
+            tma.async_load(a_desc, [pm * BM2, kk * BK], bar, a_bufs.index(s))
+            tma.async_load(b_desc, [pn * BN, kk * BK], bar, b_bufs.index(s), multicast=True)
+            c += 1
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty_a, empty_b, c_desc, c_smem, M, N, K, WARPS: gl.constexpr):
+    BM2: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = b_bufs.type.shape[1]
+    S: gl.constexpr = a_bufs.type.shape[0]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                     instr_shape=[16, BN, 16], cga_layout=[[1, 0]])
+    k_tiles = gl.cdiv(K, BK)
+    c = 0
+    for t in range(gl.program_id(0), _tiles(M, N, BM2, BN), gl.num_programs(0)):
+        pm, pn = _coords(t, N, BN)
+        acc = gl.zeros([BM2, BN], gl.float32, layout)
+        for kk in range(k_tiles):
+            s = c % S
+            mbarrier.wait(ready.index(s), (c // S) & 1)
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=kk > 0,
+                                is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            prev = (c + S - 1) % S  # the previous step's wgmma retired: its stage is free in this CTA
+            mbarrier.arrive(empty_a.index(prev), pred=kk > 0)
+            mbarrier.arrive(empty_b.index(prev), pred=kk > 0)
+            c += 1
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        last = (c + S - 1) % S
+        mbarrier.arrive(empty_a.index(last))
+        mbarrier.arrive(empty_b.index(last))
+        tma.store_wait(0)  # the previous tile's store has left c_smem
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_store(c_desc, [pm * BM2, pn * BN], c_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def pair_gemm(a_desc, b_desc, c_desc, M, N, K, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """C [M, N] = A [M, K] @ B [N, K]^T, bf16, fp32 accumulation (the module docstring)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    ready = mbarrier.allocate_mbarrier(batch=STAGES)
+    empty_a = mbarrier.allocate_mbarrier(batch=STAGES)
+    empty_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout([[0]]))
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty_a.index(i), count=1)
+        mbarrier.init(empty_b.index(i), count=1)
+    gl.warp_specialize([
+        (_consumer, (a_bufs, b_bufs, ready, empty_a, empty_b, c_desc, c_smem, M, N, K, num_warps)),
+        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty_a, empty_b, M, N, K)),
+    ], [1], [24])
+
+
+def _layouts():
+    """The descriptors' shared layouts: A and C sharded over the pair along M, B the same in both CTAs."""
+    a = gl.NVMMASharedLayout.get_default_for([2 * BM, BK], gl.bfloat16, cga_layout=[[1, 0]])
+    b = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16, cga_layout=[[0, 0]])
+    c = gl.NVMMASharedLayout.get_default_for([2 * BM, BN], gl.bfloat16, cga_layout=[[1, 0]])
+    return a, b, c
+
+
+def compile_sm90a():
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    la, lb, lc = _layouts()
+    sig = {"a_desc": f"tensordesc<bf16[{2 * BM}, {BK}],{la!r}>", "b_desc": f"tensordesc<bf16[{BN}, {BK}],{lb!r}>",
+           "c_desc": f"tensordesc<bf16[{2 * BM}, {BN}],{lc!r}>", "M": "i32", "N": "i32", "K": "i32",
+           "STAGES": "constexpr", "num_warps": "constexpr"}
+    src = GluonASTSource(pair_gemm, sig, constexprs={"STAGES": STAGES, "num_warps": WARPS})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS, "num_ctas": 2})
+
+
+def report(k) -> None:
+    ptx = k.asm["ptx"].splitlines()
+
+    def kinds(pattern):
+        return sorted({ln.strip().split(" [")[0].split(" _,")[0].split(" {")[0] for ln in ptx if pattern in ln})
+
+    print(f"compiled: {k.metadata.shared} bytes of shared memory per CTA, num_ctas {k.metadata.num_ctas}, "
+          f"num_warps {k.metadata.num_warps}")
+    for what, pattern in (("TMA loads", "cp.async.bulk.tensor"), ("arrives", "mbarrier.arrive"),
+                          ("waits", "mbarrier.try_wait"), ("wgmma", "wgmma.mma_async"),
+                          ("cluster barriers", "barrier.cluster")):
+        print(f"    {what}: " + "; ".join(kinds(pattern)))
+
+
+def run(shape: str) -> None:
+    """On a GPU: check the product against cuBLAS's and time both (do_bench medians)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.testing import do_bench
+
+    k_dim, n_dim = (int(v) for v in shape.split("x"))
+    m_dim = 262144
+    torch.manual_seed(0)
+    a = torch.randn(m_dim, k_dim, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n_dim, k_dim, device="cuda", dtype=torch.bfloat16) / k_dim ** 0.5
+    c = torch.full((m_dim, n_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
+    la, lb, lc = _layouts()
+    da = TensorDescriptor.from_tensor(a, [2 * BM, BK], la)
+    db = TensorDescriptor.from_tensor(b, [BN, BK], lb)
+    dc = TensorDescriptor.from_tensor(c, [2 * BM, BN], lc)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    grid = (min(sms // 2, triton.cdiv(m_dim, 2 * BM) * triton.cdiv(n_dim, BN)),)
+
+    def call():
+        pair_gemm[grid](da, db, dc, m_dim, n_dim, k_dim, STAGES=STAGES, num_warps=WARPS, num_ctas=2)
+
+    call()
+    torch.cuda.synchronize()
+    want = a.float() @ b.float().t()
+    err = (c.float() - want).abs().max().item()
+    print(f"max |error| against fp32: {err:.4f} (cuBLAS bf16: "
+          f"{(torch.mm(a, b.t()).float() - want).abs().max().item():.4f})")
+    for rnd in range(3):
+        print(f"round {rnd}: pair_gemm {do_bench(call, rep=100):.3f} ms, "
+              f"cuBLAS {do_bench(lambda: torch.mm(a, b.t()), rep=100):.3f} ms")
+
+
+def main() -> None:
+    doc = __doc__.split("\n\n")
+    p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", action="store_true", help="also check and time it on this machine's GPU")
+    p.add_argument("--shape", default="1024x1024", help="KxN of the GEMM (--run; M = 262144)")
+    args = p.parse_args()
+    print(f"triton {triton.__version__}; pair tile: A [{2 * BM}, {BK}] sharded over 2 CTAs, B [{BN}, {BK}] "
+          f"multicast, {STAGES} stages, {WARPS} consumer warps")
+    if not HAVE_MULTI_CTA:
+        print("this triton's Gluon has no multi-CTA API (triton 3.6): nothing to compile")
+        return
+    try:
+        report(compile_sm90a())
+    except Exception:  # noqa: BLE001 - the answer may be "no": print why
+        print("does not compile")
+        traceback.print_exc(limit=3, file=sys.stdout)
+        return
+    if args.run:
+        run(args.shape)
+
+
+if __name__ == "__main__":
+    main()
