@@ -177,16 +177,19 @@ def in_worker(work: Callable[[], object]):
     owned = lock is not None and getattr(lock, "_is_owned", lambda: False)()
     if owned and not (hasattr(lock, "_release_save") and hasattr(lock, "_acquire_restore")):
         raise RuntimeError("dynamo's compile lock cannot be released for a nested compile")
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fusenorm-baseline") as pool:
-        if not owned:
-            return pool.submit(work).result()
-        state = lock._release_save()
-        try:
-            future = pool.submit(work)
-            concurrent.futures.wait([future])
-        finally:
-            lock._acquire_restore(state)
-        return future.result()
+    def pool():
+        return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fusenorm-baseline")
+
+    if not owned:
+        with pool() as p:
+            return p.submit(work).result()
+    state = lock._release_save()
+    try:
+        with pool() as p:  # leaving it waits for the worker: the lock comes back once the worker is done
+            future = p.submit(work)
+    finally:  # also where the wait was interrupted: the exception goes on with the lock held again
+        lock._acquire_restore(state)
+    return future.result()
 
 
 # Rounds of ``time_compiled(..., against=)``: Inductor's code and the fused side timed in turn, medians.
