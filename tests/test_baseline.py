@@ -121,6 +121,17 @@ def test_time_compiled_alternates_with_the_fused_side(monkeypatch):
     assert order == ["inductor"]
 
 
+def _run_script(source: str, timeout: float) -> str:
+    """stdout of ``source`` run by this Python in a subprocess, which must exit 0 within ``timeout`` seconds (a
+    hang fails the test instead of stopping the run)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
 _NESTED_STEP = """
 import torch
 from torch._dynamo.convert_frame import compile_lock
@@ -151,12 +162,8 @@ def test_a_nested_training_compile_runs_inside_an_outer_compile():
     at that first call under the same lock: ``in_worker`` lends the lock for the wait, so the step finishes
     with the right gradients and the outer compile has its lock back. In a subprocess with a time limit: a
     worker left waiting for the lock would hang this process, not fail."""
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", _NESTED_STEP], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "owned True gradients ok True" in out.stdout, out.stdout[-2000:]
+    out = _run_script(_NESTED_STEP, timeout=300)
+    assert "owned True gradients ok True" in out, out[-2000:]
 
 
 def test_enabled_only_on_cuda_and_by_config():
@@ -265,12 +272,8 @@ def test_a_training_step_with_a_narrow_post_norm_compiles_inside_fusenorm():
     training decision times Inductor's whole step, whose backward Inductor compiles lazily under dynamo's
     compile lock) finishes and trains as the fp32 model does. In a subprocess with a time limit: this hung
     before the outer compile lent the lock to the nested one."""
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", _TRAINING_STEP], capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "step done" in out.stdout, out.stdout[-2000:]
+    out = _run_script(_TRAINING_STEP, timeout=900)
+    assert "step done" in out, out[-2000:]
 
 
 @pytest.mark.parametrize("t_fused,h_fused,cudagraphs,want", [

@@ -177,18 +177,14 @@ def in_worker(work: Callable[[], object]):
     owned = lock is not None and getattr(lock, "_is_owned", lambda: False)()
     if owned and not (hasattr(lock, "_release_save") and hasattr(lock, "_acquire_restore")):
         raise RuntimeError("dynamo's compile lock cannot be released for a nested compile")
-    def pool():
-        return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fusenorm-baseline")
-
-    if not owned:
-        with pool() as p:
-            return p.submit(work).result()
-    state = lock._release_save()
+    state = lock._release_save() if owned else None
     try:
-        with pool() as p:  # leaving it waits for the worker: the lock comes back once the worker is done
-            future = p.submit(work)
+        # leaving the pool waits for the worker: the lock comes back once the worker is done
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fusenorm-baseline") as pool:
+            future = pool.submit(work)
     finally:  # also where the wait was interrupted: the exception goes on with the lock held again
-        lock._acquire_restore(state)
+        if owned:
+            lock._acquire_restore(state)
     return future.result()
 
 
