@@ -446,6 +446,29 @@ def _install_hooks() -> None:
         callback_handler.register_end_callback(_on_compile_end)
 
 
+@contextlib.contextmanager
+def aside() -> Iterator[list[GraphReport]]:
+    """A compile made inside another compile's pass (a decision compiling the fused side of its own site, to
+    time it) keeps its reports and counters to itself: the list this yields gets the reports made inside the
+    block; after it, the outer compile's current report, the history, fusenorm's counters and the cache-hit
+    counts (which the outer compile's end callback reads) are as they were."""
+    global _current, _made
+    saved = (_current, list(_history), _made, dict(counters["fusenorm"]),
+             {k: dict(counters[k]) for k in ("aot_autograd", "inductor")})
+    made: list[GraphReport] = []
+    try:
+        yield made
+    finally:
+        made.extend(r for r in _history if all(r is not s for s in saved[1]))
+        _current, _made = saved[0], saved[2]
+        _history[:] = saved[1]
+        counters["fusenorm"].clear()
+        counters["fusenorm"].update(saved[3])
+        for k, v in saved[4].items():
+            counters[k].clear()
+            counters[k].update(v)
+
+
 def reports() -> list[GraphReport]:
     """Reports of the graphs compiled recently in this process (newest last)."""
     return list(_history)

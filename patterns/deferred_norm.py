@@ -336,7 +336,7 @@ class DeferredNorm(Pattern):
                     (d["a_eps"], d["a_norm"], d["a_tile"])
         cons = [view.gemm_values(g)[1:] for _, g in consumers]
         site = Site(xv, prod, cons, val(args["weight"]), val(args["bias"]), args["eps"], code, n_wgrads,
-                    cache=_cache_fold(training), dgrad=dgrad, g_passes=g_passes)
+                    cache=_cache_fold(training), dgrad=dgrad, g_passes=g_passes, training=training)
         return site_choice(site)
 
     # ---- rewrite ---------------------------------------------------------------------------------------

@@ -166,6 +166,49 @@ def test_a_nested_training_compile_runs_inside_an_outer_compile():
     assert "owned True gradients ok True" in out, out[-2000:]
 
 
+_NESTED_FUSED = """
+import torch
+from torch._dynamo.utils import counters
+from fusenorm_inductor import report
+from fusenorm_inductor.tuning import baseline
+from fusenorm_inductor.tuning.deferred_norm import STEP_PATCHES
+
+def site(n, rms):
+    torch.manual_seed(n)
+    a, b, bias = torch.randn(37, 24), torch.randn(24, n) / 5, torch.randn(n)
+    w, nb = torch.randn(n), (None if rms else torch.randn(n))
+    cons = [(torch.randn(n, 16) / n ** 0.5, torch.randn(16)), (torch.randn(n, 8) / n ** 0.5, None)]
+    fn, inputs = baseline.norm_site_fn(a, b, bias, None, w, nb, 1e-5, rms, cons, with_y=False)
+    leaves, wants = baseline._leaves(inputs)
+    compiled = baseline.compile_fused(fn, leaves, STEP_PATCHES, "deferred_norm")
+    dz = [torch.randn(37, 16), torch.randn(37, 8)]
+    got = torch.autograd.grad(compiled(*leaves), wants, dz)
+    ref = [t.detach().double().requires_grad_() for t in inputs]
+    want = torch.autograd.grad(fn(*ref), ref, [g.double() for g in dz])
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g.double(), r, rtol=1e-3, atol=1e-3)
+    return f"site {n} ok"
+
+def backend(gm, example_inputs):
+    before = (report.reports(), dict(counters["fusenorm"]))
+    out = baseline.in_worker(lambda: site(40, False) + "; " + site(48, True))
+    print(out, "| aside", (report.reports(), dict(counters["fusenorm"])) == before, flush=True)
+    return gm.forward
+
+torch.compile(lambda t: t + 1, backend=backend)(torch.randn(4))
+"""
+
+
+def test_a_site_compiled_by_fusenorm_inside_an_outer_compile_defers_and_keeps_apart():
+    """What a deferred training site's decision times (``compile_fused``): inside another compile, the site
+    (linear -> norm -> two linears, LayerNorm and RMSNorm, N = 40 / 48) compiled by fusenorm with its norm
+    deferred (``compile_fused`` raises where the deferred_norm rewrite was not made), its gradients equal
+    the site's in fp64, twice in one process (a fresh code object each: Dynamo would otherwise reuse or
+    count the first), and the outer compile's reports and counters are untouched."""
+    out = _run_script(_NESTED_FUSED, timeout=300)
+    assert "site 40 ok; site 48 ok | aside True" in out, out[-2000:]
+
+
 def test_enabled_only_on_cuda_and_by_config():
     assert not baseline.enabled(torch.device("cpu"))
     with config.patch({"tuning.measure_inductor": True}):

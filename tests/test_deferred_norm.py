@@ -910,6 +910,36 @@ def test_site_decision_uses_the_deferral_margin(monkeypatch):
     assert not choice.fuse and "would not win" in choice.reason, choice
 
 
+@pytest.mark.parametrize("step, fuse", [(None, True), ({"t_fused_step_ms": 2.0, "t_unfused_step_ms": 2.02}, False),
+                                         ({"t_fused_step_ms": 1.8, "t_unfused_step_ms": 2.0}, True),
+                                         ({}, False)])
+def test_a_training_site_is_deferred_only_where_its_whole_step_wins(monkeypatch, step, fuse):
+    """Its forward winning (faked: 0.88 vs 1.0 ms), a training site (``step`` given) is deferred only where the
+    step timed both ways (``_measure_step``, faked) wins by the deferred margin; a step that could not be
+    timed ({}) leaves it unfused; an inference site (None) never times a step."""
+    from types import SimpleNamespace
+
+    from fusenorm_inductor.tuning import deferred_norm as tuning, measure
+
+    monkeypatch.setattr(measure, "can_measure", lambda device: True)
+    monkeypatch.setattr(measure, "lookup", lambda key: None)
+    monkeypatch.setattr(measure, "store", lambda key, entry, bucket=False: None)
+    monkeypatch.setattr(tuning, "gluon_unsupported", lambda *a: None)
+    monkeypatch.setattr(tuning.Site, "key", lambda self: ("site", self.training))
+    entry = {"config": ["gl_coop", 128, 256, 64, 3, 8], "t_fused_ms": 0.88, "t_unfused_ms": 1.0, "candidates": {},
+             "unfused_by": "inductor"}
+    monkeypatch.setattr(tuning, "_measure_site", lambda site: dict(entry))
+    asked = []
+    monkeypatch.setattr(tuning, "_measure_step", lambda site: asked.append(site) or dict(step))
+    x = SimpleNamespace(device=torch.device("cuda"), shape=(4096, 1024))
+    site = tuning.Site(x, None, [(None, None)], None, None, 1e-5, d.RMS, wgrads=1, cache=False,
+                       training=step is not None)
+    choice = tuning.site_choice(site)
+    assert choice.fuse is fuse and len(asked) == (step is not None), choice
+    if step:
+        assert "the training step" in choice.reason, choice.reason
+
+
 @pytest.mark.parametrize("fold_cache", [False, True])
 def test_fold_cache_follows_config_in_inference_graphs(fold_cache):
     import torch._inductor.config as inductor_config

@@ -21,12 +21,16 @@ The post-norm, pre-norm and regrouped-backward decisions use it (``post_norm_fn`
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import statistics
 import threading
 import time
+import types
 from typing import Callable, Optional
 
 import torch
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -86,20 +90,22 @@ def pre_norm_fn(a, b, bias, weight, norm_bias, eps: float, is_rms: bool, out_dty
     return _over_present(("a", "b", "bias", "weight", "norm_bias"), (a, b, bias, weight, norm_bias), body)
 
 
-def norm_site_fn(a, b, bias, residual, weight, norm_bias, eps: float, is_rms: bool, consumers: list):
+def norm_site_fn(a, b, bias, residual, weight, norm_bias, eps: float, is_rms: bool, consumers: list,
+                 with_y: bool = True):
     """A deferred norm's site unfused, as the user's graph computes it: the producer's linear (+ bias,
-    + residual), the norm, each consumer's linear ((b, bias) each); returns y and every consumer's output."""
+    + residual), the norm, each consumer's linear ((b, bias) each); returns y (unless not ``with_y``: a site
+    whose y only the norm reads) and every consumer's output."""
     names = ("a", "b", "bias", "residual", "weight", "norm_bias") + tuple(
         f"{kind}{i}" for i in range(len(consumers)) for kind in ("cb", "cbias"))
     values = (a, b, bias, residual, weight, norm_bias) + tuple(t for pair in consumers for t in pair)
 
     def body(v):
-        y = v["a"] @ v["b"]
+        y = v["a"] @ v["b"] if "b" in v else v["a"]  # no b: the norm's input comes from pointwise code
         for k in ("bias", "residual"):
             if k in v:
                 y = y + v[k]
         h = _norm(y, v.get("weight"), v.get("norm_bias"), eps, is_rms)
-        outs = [y]
+        outs = [y] if with_y else []
         for i in range(len(consumers)):
             z = h @ v[f"cb{i}"]
             outs.append(z + v[f"cbias{i}"] if f"cbias{i}" in v else z)
@@ -141,7 +147,6 @@ def compile_unfused(fn: Callable, inputs: list, training: bool = False,
     inputs that require grad get gradients (AOTAutograd's forward and backward, as in a training step);
     ``decompositions``: added to Inductor's own. Runs in the calling thread; ``time_compiled`` and
     ``time_training_step`` run it in a worker thread to keep it apart from an outer compile."""
-    import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -236,47 +241,134 @@ def time_compiled(fn: Callable, inputs: list, what: str, against: Optional[Calla
     return out
 
 
+def _leaves(inputs: list) -> tuple[list, list]:
+    """A training step's inputs (the floating ones require grad, as a layer's activations and parameters do)
+    and those of them that get gradients."""
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    return leaves, [t for t in leaves if t.requires_grad]
+
+
+def _step(compiled: Callable, leaves: list, wants: list) -> Callable[[], None]:
+    """One training step of ``compiled``: the forward on ``leaves`` and the backward of every output to
+    ``wants`` (random output gradients, drawn once)."""
+    outs = compiled(*leaves)
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    grads = [torch.randn_like(o) for o in outs]
+
+    def step():
+        o = compiled(*leaves)
+        torch.autograd.grad(list(o) if isinstance(o, (list, tuple)) else [o], wants, grads)
+
+    return step
+
+
+def _timed(what: str, work: Callable[[], object]):
+    """``work()`` in a worker (``in_worker``); None (warned once per reason) where it raised."""
+    try:
+        return in_worker(work)
+    except Exception as e:  # noqa: BLE001 - the decision then declines (it cannot judge the step)
+        err = measure.first_line(e)
+        measure.warn_once(("step", err), f"could not compile and time a training step of the {what} ({err})")
+        return None
+
+
 def time_training_step(fn: Callable, inputs: list, what: str, decompositions: Optional[dict] = None
                        ) -> Optional[float]:
     """Median ms of one training step of ``fn`` compiled by Inductor: the forward on ``inputs`` (the floating
-    ones require grad, as a layer's activations and parameters do) and the backward to all of them, timed as
-    a training step runs (CUDA events around plain calls, no CUDA graphs: the host's work counts).
-    ``decompositions``: extra ops to decompose (fusenorm's canonical norm backward, as its joint pass does);
-    None (warned once per reason) where it cannot be compiled or run."""
+    ones require grad) and the backward of its first output to all of them, timed as a training step runs
+    (CUDA events around plain calls, no CUDA graphs: the host's work counts). ``decompositions``: extra ops to
+    decompose (fusenorm's canonical norm backward, as its joint pass does); None (warned once per reason)
+    where it cannot be compiled or run."""
     from triton.testing import do_bench
 
     device = inputs[0].device
 
     def work():
         torch.cuda.set_device(device)
-        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
-        wants = [t for t in leaves if t.requires_grad]
+        leaves, wants = _leaves(inputs)
         t0 = time.perf_counter()
         try:
             compiled = compile_unfused(fn, leaves, training=True, decompositions=decompositions)
         finally:
             measure.add_spent("inductor_compile", time.perf_counter() - t0)
-        out = compiled(*leaves)
-        out = out[0] if isinstance(out, (list, tuple)) else out
-        grad = torch.randn_like(out)
-
-        def step():
-            o = compiled(*leaves)
-            torch.autograd.grad(o[0] if isinstance(o, (list, tuple)) else o, wants, grad)
-
+        step = _step(lambda *ts: _first(compiled(*ts)), leaves, wants)
         t1 = time.perf_counter()
         try:
             return float(do_bench(step, rep=config.tuning.rep_ms * 4, return_mode="median"))
         finally:
             measure.add_spent("timing", time.perf_counter() - t1)
 
-    try:
-        ms = in_worker(work)
-    except Exception as e:  # noqa: BLE001 - the decision then declines (it cannot judge the step)
-        err = measure.first_line(e)
-        measure.warn_once(("step", err), f"could not compile and time a training step of the {what} ({err})")
-        return None
-    return ms if 0 < ms < float("inf") else None
+    ms = _timed(what, work)
+    return ms if ms is not None and 0 < ms < float("inf") else None
+
+
+def _first(out):
+    return out[0] if isinstance(out, (list, tuple)) else out
+
+
+_fresh = itertools.count()
+
+
+def compile_fused(fn: Callable, inputs: list, patches: dict, expect: str) -> Callable:
+    """``fn`` compiled by fusenorm as a user's ``torch.compile(..., backend="fusenorm")`` compiles it (Dynamo,
+    fusenorm's passes, AOTAutograd's forward and backward where ``inputs`` require grad), with the fusenorm
+    config ``patches`` applied while it compiles; a first call (and, in training, a backward) runs inside, so
+    the lazily compiled backward is compiled under them too. Each call compiles a fresh copy of ``fn``'s code:
+    Dynamo keeps its compiled frames per code object, and a decision measures many sites. The compile's
+    report and counters stay apart from the outer compile's (``report.aside``). Raises where the compile made
+    no ``expect`` rewrite (what it would time is not the fusion the caller judges)."""
+    from .. import report
+    from ..backend import fusenorm_backend
+
+    code = fn.__code__.replace(co_name=f"fusenorm_site_{next(_fresh)}")
+    fresh = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    # no AOTAutograd or FX graph cache: a hit would skip the passes, and counts the outer compile reads
+    with config.patch(patches), report.aside() as made, \
+            inductor_config.patch({"fx_graph_cache": False, "triton.cudagraphs": False}), \
+            functorch_config.patch({"enable_autograd_cache": False}):
+        compiled = torch.compile(fresh, backend=fusenorm_backend, fullgraph=True, dynamic=False)
+        wants = [t for t in inputs if t.requires_grad]
+        out = compiled(*inputs)
+        if wants:
+            outs = list(out) if isinstance(out, (list, tuple)) else [out]
+            torch.autograd.grad(outs, wants, [torch.ones_like(o) for o in outs])
+    if not any(r.rewrites and any(w.pattern == expect for w in r.rewrites) for r in made):
+        raise RuntimeError(f"fusenorm's compile of the site made no {expect} rewrite")
+    return compiled
+
+
+def time_training_steps(fn: Callable, inputs: list, what: str, patches: dict, expect: str
+                        ) -> Optional[tuple[float, float]]:
+    """(fused ms, unfused ms): the median of one training step of ``fn`` compiled by fusenorm
+    (``compile_fused``: ``patches`` choose the fusion, ``expect`` must be made) and by Inductor
+    (``compile_unfused``), timed in ``ALTERNATING_ROUNDS`` alternating rounds as a training step runs (CUDA
+    events around plain calls, no CUDA graphs); the backward of every output. None (warned once per reason)
+    where either cannot be compiled or run."""
+    from triton.testing import do_bench
+
+    device = inputs[0].device
+
+    def work():
+        torch.cuda.set_device(device)
+        leaves, wants = _leaves(inputs)
+        t0 = time.perf_counter()
+        try:
+            fused = _step(compile_fused(fn, leaves, patches, expect), leaves, wants)
+            unfused = _step(compile_unfused(fn, leaves, training=True), leaves, wants)
+        finally:
+            measure.add_spent("inductor_compile", time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        times: tuple[list, list] = ([], [])
+        try:
+            for _ in range(ALTERNATING_ROUNDS):
+                for side, step in zip(times, (fused, unfused)):
+                    side.append(float(do_bench(step, rep=config.tuning.rep_ms * 2, return_mode="median")))
+        finally:
+            measure.add_spent("timing", time.perf_counter() - t1)
+        return statistics.median(times[0]), statistics.median(times[1])
+
+    out = _timed(what, work)
+    return out if out is not None and all(0 < t < float("inf") for t in out) else None
 
 
 def enabled(device: torch.device) -> bool:

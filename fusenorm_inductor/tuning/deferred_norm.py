@@ -112,12 +112,15 @@ class Site:
     (the consumers' outputs together; 0: the backward stays Inductor's, with norm(x) rebuilt), and
     ``g_passes`` the [M, dgrad] passes of the kernel that scales the gradients into that operand: 1 (its
     write) where Inductor's pointwise code computes them anyway, 2 (a read too) where they come from a GEMM
-    or from the graph's caller."""
+    or from the graph's caller. ``training``: the graph has a backward, and the decision judges the whole
+    step (``_measure_step``)."""
 
-    def __init__(self, x, producer, consumers, weight, norm_bias, eps, norm, wgrads, cache, dgrad=0, g_passes=1):
+    def __init__(self, x, producer, consumers, weight, norm_bias, eps, norm, wgrads, cache, dgrad=0, g_passes=1,
+                 training=False):
         self.x, self.producer, self.consumers = x, producer, consumers
         self.weight, self.norm_bias, self.eps, self.norm = weight, norm_bias, eps, norm
         self.wgrads, self.cache, self.dgrad, self.g_passes = wgrads, cache, dgrad, g_passes
+        self.training = training
 
     def key(self) -> tuple:
         p = self.producer
@@ -125,7 +128,7 @@ class Site:
         return ("deferred_site", self.x.device, measure.spec(self.x, rows=True), prod,
                 tuple((measure.spec(b), measure.spec(bias)) for b, bias in self.consumers),
                 measure.spec(self.weight), measure.spec(self.norm_bias), int(self.norm), int(self.wgrads),
-                bool(self.cache), int(self.dgrad), int(self.g_passes))
+                bool(self.cache), int(self.dgrad), int(self.g_passes), bool(self.training))
 
 
 def site_choice(site: Site) -> Choice:
@@ -148,7 +151,36 @@ def site_choice(site: Site) -> Choice:
             return Choice(False, "-", f"not deferred: the Gluon kernel cannot take a GEMM of the site ({why})")
     return _choice(site.key(), x.device, lambda: _measure_site(site), lambda: "Gluon deferred_mm",
                    what="Inductor's unfused site (or cuBLAS GEMMs + the norm at copy speed)",
+                   step_fn=(lambda: _measure_step(site)) if site.training else None,
                    margin=config.tuning.margin_deferred)
+
+
+# The compile whose training step ``_measure_step`` times: fusenorm deferring every site it can, unmeasured
+# (the GEMMs run the configurations ``_measure_site`` stored), and no other fusion taking the site first.
+STEP_PATCHES = {"tuning.measure": False, "debug_dir": None, "patterns.linear_norm_fwd": False,
+                "patterns.norm_linear_fwd": False, "patterns.dgrad_norm_bwd": False,
+                "patterns.attention_block": False}
+
+
+def _measure_step(site: Site) -> dict:
+    """One training step of the site both ways, on random inputs like the (possibly fake) ones: the site
+    compiled by fusenorm with its norm deferred (the backward the deferred rewrite makes of it) against
+    Inductor's forward and backward of it unfused; {} where either cannot be compiled or timed. The
+    forward-only comparison estimates what the backward adds (a rebuild of norm(x), the deferred dgrad);
+    this times it: a forward that wins can still cost the step more than it saves."""
+    dev = site.x.device
+    like = measure.RealInputs.like
+    with measure.RealInputs():
+        if site.producer is not None:
+            a, b, bias, residual = measure.real_gemm_operands(*site.producer[:4])
+        else:
+            a, b, bias, residual = like(site.x, dev), None, None, None
+        consumers = [tuple(measure.real_gemm_operands(site.x, cb, cbias)[1:]) for cb, cbias in site.consumers]
+        weight, norm_bias = like(site.weight, dev), like(site.norm_bias, dev)
+    fn, inputs = baseline.norm_site_fn(a, b, bias, residual, weight, norm_bias, site.eps, site.norm == 1, consumers,
+                                       with_y=False)
+    timed = baseline.time_training_steps(fn, inputs, "deferred norm site", STEP_PATCHES, "deferred_norm")
+    return {} if timed is None else {"t_fused_step_ms": timed[0], "t_unfused_step_ms": timed[1]}
 
 
 def _measure_site(site: Site) -> dict:
