@@ -171,6 +171,10 @@ class tuning:
     # so a candidate costs the first compile ~10x this): short, since the decisions only need the medians'
     # spread well inside the margins above.
     rep_ms: float = 10.0
+    # Threads that compile a decision's candidate kernels ahead of timing them, each candidate's first call in
+    # its own thread (triton's compile runs much of its work outside the GIL, and ptxas in a subprocess): the
+    # compiles are most of a first step's measuring. 1 compiles them one at a time, in the timing loop.
+    compile_threads: int = min(8, os.cpu_count() or 1)
 
 
 # When a pass raises, log a warning and leave the graph to plain Inductor (the graph is restored from a
@@ -214,6 +218,8 @@ _VALUES = {
     "tuning.margin_deferred": (_number(0.0, 1.0), "a fraction in [0, 1)"),
     "tuning.host_weight": (_number(0.0), "a number >= 0"),
     "tuning.rep_ms": (_number(0.0, lo_open=True), "a number of milliseconds > 0"),
+    "tuning.compile_threads": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                               "an int >= 1"),
 }
 
 

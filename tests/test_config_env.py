@@ -254,6 +254,8 @@ BAD_VALUES = [
     ("tuning.host_weight", -1.0),
     ("tuning.host_weight", True),
     ("tuning.rep_ms", 0),
+    ("tuning.compile_threads", 0),
+    ("tuning.compile_threads", True),
     ("debug_dir", 123),
     ("tuning.cache_dir", 1.5),
 ]

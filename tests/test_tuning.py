@@ -284,6 +284,43 @@ def test_candidates_after_a_hopeless_first_are_not_timed(monkeypatch, first_ms, 
     assert len(got) == 3
 
 
+@pytest.mark.parametrize("threads", [1, 2, 8])
+def test_candidates_compile_ahead_in_parallel_threads(monkeypatch, threads):
+    """Before the timing, every candidate's first call runs in up to ``tuning.compile_threads`` threads at once
+    (not the caller's; one that raises is left to the timing), then each is timed in order as before; with
+    one thread nothing runs ahead."""
+    import threading
+
+    for name, fake in (("is_available", lambda: True), ("current_device", lambda: 0),
+                       ("set_device", lambda d: None), ("synchronize", lambda *a: None)):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    lock, live, calls = threading.Lock(), [0, 0], []
+    barrier = threading.Barrier(min(threads, 4)) if threads > 1 else None
+
+    def run(c):
+        with lock:
+            calls.append((c, threading.current_thread() is threading.main_thread()))
+            live[0] += 1
+            live[1] = max(live[1], live[0])
+        if barrier is not None and c in ("c0", "c1", "c2", "c3")[:barrier.parties]:
+            barrier.wait(timeout=30)  # only passes where that many first calls run at once
+        with lock:
+            live[0] -= 1
+        if c == "c2":
+            raise RuntimeError("does not compile")
+
+    timed = []
+    monkeypatch.setattr(measure, "time_ms", lambda fn, give_up_ms=None: timed.append(1) or 1.0)
+    with config.patch({"tuning.compile_threads": threads}):
+        measure.time_candidates(["c0", "c1", "c2", "c3", "c4"], run)
+    ahead = [c for c, main in calls if not main]
+    assert len(timed) == 5
+    if threads == 1:
+        assert not calls
+    else:
+        assert sorted(ahead) == ["c0", "c1", "c2", "c3", "c4"] and 2 <= live[1] <= threads, (calls, live)
+
+
 @pytest.mark.parametrize("gpu_ms,calls", [(None, 20), (0.01, 20), (1.0, 4), (50.0, 3)])
 def test_host_loops_shrink_for_long_kernels(monkeypatch, gpu_ms, calls):
     """A host-time loop queues about 4 ms of GPU work at most (at least 3 calls): the sync after it is what the

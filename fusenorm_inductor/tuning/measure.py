@@ -35,6 +35,7 @@ traced graph work.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -455,11 +456,39 @@ def time_candidates(candidates, run: Callable[[object], object], unfused_ms: Opt
     that keeps the quick look's time: it cannot be chosen over the unfused path either way."""
     times = {}
     give_up = GIVE_UP * unfused_ms if unfused_ms else None
+    compile_ahead(candidates, run)
     for i, c in enumerate(candidates):
         times[c] = time_ms(lambda c=c: run(c), give_up)
         if i == 0 and give_up is not None and times[c] > give_up:
             break
     return min(times, key=times.get), times
+
+
+def compile_ahead(candidates, run: Callable[[object], object]) -> None:
+    """Each candidate's first call, ``run(candidate)``, in up to ``config.tuning.compile_threads`` threads at
+    once, so that their kernels compile in parallel before ``time_candidates`` times them one by one (a
+    first call compiles; triton keeps the kernel). What a call raises is left to the timing, which calls it
+    again and handles it as it always has. CUDA only; one candidate or one thread: nothing to do."""
+    threads = min(config.tuning.compile_threads, len(candidates))
+    if threads < 2 or not torch.cuda.is_available():
+        return
+    device = torch.cuda.current_device()
+
+    def first(c) -> None:
+        torch.cuda.set_device(device)
+        try:
+            run(c)
+        except Exception:  # noqa: BLE001 - the timing runs it again and meets the same error there
+            pass
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="fusenorm-compile") as pool:
+        list(pool.map(first, candidates))
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:  # noqa: BLE001 - a failed launch's error surfaces again in the timing of that candidate
+        pass
+    add_spent("first_call", time.perf_counter() - t0)
 
 
 def gemm_ms(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> float:
