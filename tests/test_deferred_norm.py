@@ -677,6 +677,35 @@ def test_tower_on_cuda_deferred(norm, training):
             torch.testing.assert_close(p.grad.float(), r.grad, rtol=5e-2, atol=5e-2 * r.grad.abs().max().item())
 
 
+@pytest.mark.skipif(not _CUDA, reason="needs a CUDA GPU")
+def test_training_site_decision_times_the_whole_step_on_cuda(monkeypatch, tmp_path):
+    """Measuring on, the forward's verdict faked as a win, a training tower's sites run the real step
+    measurement on the GPU (fusenorm's compile of the site, deferred, against Inductor's step, inside the
+    outer compile): every site's reason gives both steps' times, and the step trains as the fp32 model does
+    whichever way each site went."""
+    from fusenorm_inductor.tuning import deferred_norm as tuning, measure
+
+    def forward_wins(site):
+        (best,) = tuning.deferred_candidates(site.x, site.consumers[0][0], 0)[:1]
+        return measure.make_entry(best, {best: 0.5}, 1.0)
+
+    monkeypatch.setattr(tuning, "_measure_site", forward_wins)
+    torch.manual_seed(18)
+    m = _params_normal(Tower(64, 512, layers=3, norm="ln")).cuda().bfloat16()
+    x = torch.randn(4096, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out, rep = _compiled(m, x, training=True, **{"tuning.measure": True, "tuning.measure_inductor": True,
+                                                 "tuning.cache_dir": str(tmp_path), "tuning.rep_ms": 2.0})
+    reasons = [r.detail for r in _rewrites(rep)] + [k.reason for k in rep.skips if k.pattern == "deferred_norm"]
+    assert len(reasons) == 2 and all("measured the training step" in r for r in reasons), reasons
+    ref_m = copy.deepcopy(m).float()
+    xr = x.detach().float().requires_grad_()
+    ref = ref_m(xr)
+    out.float().square().sum().backward()
+    ref.square().sum().backward()
+    for p, r in zip(m.parameters(), ref_m.parameters()):
+        torch.testing.assert_close(p.grad.float(), r.grad, rtol=5e-2, atol=5e-2 * r.grad.abs().max().item())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("norm", ["ln", "rms"])
 def test_chain_training_on_cuda(norm):
