@@ -156,6 +156,10 @@ class tuning:
     # share of the site, which is all a deferral can save (docs/performance.md, "Deferred normalization"):
     # with the whole-row margins no site ever deferred.
     margin_deferred: float = 0.05
+    # The same for a training step (the fused forward with the backward it implies against Inductor's forward
+    # and backward of the site), which decides a training graph's site after its forward won: both sides
+    # compiled and timed in alternating rounds on the same inputs, so again only the timings' spread to cover.
+    margin_step: float = 0.05
     # Without CUDA graphs each side of the decision takes at least host_weight x its host time per call.
     # Weighted because the compiled graph's own host work per step (guards, wrappers, allocations) runs on
     # the same thread: on the H200, a one-op step's host time was about twice the op's own, so a fused
@@ -216,6 +220,7 @@ _VALUES = {
     "tuning.margin": (_number(0.0, 1.0), "a fraction in [0, 1)"),
     "tuning.margin_gluon": (_number(0.0, 1.0), "a fraction in [0, 1)"),
     "tuning.margin_deferred": (_number(0.0, 1.0), "a fraction in [0, 1)"),
+    "tuning.margin_step": (_number(0.0, 1.0), "a fraction in [0, 1)"),
     "tuning.host_weight": (_number(0.0), "a number >= 0"),
     "tuning.rep_ms": (_number(0.0, lo_open=True), "a number of milliseconds > 0"),
     "tuning.compile_threads": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,

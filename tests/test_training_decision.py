@@ -61,6 +61,20 @@ def test_a_step_that_wins_by_the_margin_is_fused():
     assert asked and choice.fuse and "measured the training step: 1.5 ms" in choice.reason, choice
 
 
+def test_the_step_is_judged_by_its_own_margin():
+    """The forward (a Gluon label) needs the Gluon margin; the step, timed both ways in alternating rounds,
+    ``tuning.margin_step``: 8% is enough at 5%, not at 10%."""
+    key = ("post_norm", CUDA, "gl")
+    entry = {**FORWARD, "config": ["gl_pp", 64, 256, 64, 4, 4]}
+    step = {"t_fused_step_ms": 1.84, "t_unfused_step_ms": 2.0}
+    for margin, fuse in ((0.05, True), (0.10, False)):
+        measure.clear_memory()
+        with config.patch({"tuning.margin_step": margin}):
+            choice = decide._choice(key + (margin,), CUDA, lambda: dict(entry), lambda: "first",
+                                    step_fn=lambda: dict(step))
+        assert choice.fuse is fuse and choice.config.startswith("gl_"), choice
+
+
 def test_a_step_within_the_margin_is_left_unfused():
     choice, _ = _decide({"t_fused_step_ms": 1.95, "t_unfused_step_ms": 2.0})
     assert not choice.fuse

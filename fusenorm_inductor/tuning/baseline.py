@@ -146,7 +146,7 @@ def compile_unfused(fn: Callable, inputs: list, training: bool = False,
     (no CUDA graphs: the timer captures its own), with fusenorm's passes standing aside. ``training``: the
     inputs that require grad get gradients (AOTAutograd's forward and backward, as in a training step);
     ``decompositions``: added to Inductor's own. Runs in the calling thread; ``time_compiled`` and
-    ``time_training_step`` run it in a worker thread to keep it apart from an outer compile."""
+    ``time_training_steps`` run it in a worker thread to keep it apart from an outer compile."""
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -272,40 +272,6 @@ def _timed(what: str, work: Callable[[], object]):
         return None
 
 
-def time_training_step(fn: Callable, inputs: list, what: str, decompositions: Optional[dict] = None
-                       ) -> Optional[float]:
-    """Median ms of one training step of ``fn`` compiled by Inductor: the forward on ``inputs`` (the floating
-    ones require grad) and the backward of its first output to all of them, timed as a training step runs
-    (CUDA events around plain calls, no CUDA graphs: the host's work counts). ``decompositions``: extra ops to
-    decompose (fusenorm's canonical norm backward, as its joint pass does); None (warned once per reason)
-    where it cannot be compiled or run."""
-    from triton.testing import do_bench
-
-    device = inputs[0].device
-
-    def work():
-        torch.cuda.set_device(device)
-        leaves, wants = _leaves(inputs)
-        t0 = time.perf_counter()
-        try:
-            compiled = compile_unfused(fn, leaves, training=True, decompositions=decompositions)
-        finally:
-            measure.add_spent("inductor_compile", time.perf_counter() - t0)
-        step = _step(lambda *ts: _first(compiled(*ts)), leaves, wants)
-        t1 = time.perf_counter()
-        try:
-            return float(do_bench(step, rep=config.tuning.rep_ms * 4, return_mode="median"))
-        finally:
-            measure.add_spent("timing", time.perf_counter() - t1)
-
-    ms = _timed(what, work)
-    return ms if ms is not None and 0 < ms < float("inf") else None
-
-
-def _first(out):
-    return out[0] if isinstance(out, (list, tuple)) else out
-
-
 _fresh = itertools.count()
 
 
@@ -337,13 +303,13 @@ def compile_fused(fn: Callable, inputs: list, patches: dict, expect: str) -> Cal
     return compiled
 
 
-def time_training_steps(fn: Callable, inputs: list, what: str, patches: dict, expect: str
-                        ) -> Optional[tuple[float, float]]:
-    """(fused ms, unfused ms): the median of one training step of ``fn`` compiled by fusenorm
-    (``compile_fused``: ``patches`` choose the fusion, ``expect`` must be made) and by Inductor
-    (``compile_unfused``), timed in ``ALTERNATING_ROUNDS`` alternating rounds as a training step runs (CUDA
-    events around plain calls, no CUDA graphs); the backward of every output. None (warned once per reason)
-    where either cannot be compiled or run."""
+def time_training_steps(build_fused: Callable[[list], Callable], build_unfused: Callable[[list], Callable],
+                        inputs: list, what: str) -> Optional[tuple[float, float]]:
+    """(fused ms, unfused ms): the median of one training step of each side, ``build_*(leaves)`` compiling it
+    (``compile_fused`` / ``compile_unfused``) for the inputs as a training step takes them (the floating ones
+    require grad), timed in ``ALTERNATING_ROUNDS`` alternating rounds as a training step runs (CUDA events
+    around plain calls, no CUDA graphs), the backward of every output to every input. None (warned once per
+    reason) where either cannot be compiled or run."""
     from triton.testing import do_bench
 
     device = inputs[0].device
@@ -353,15 +319,14 @@ def time_training_steps(fn: Callable, inputs: list, what: str, patches: dict, ex
         leaves, wants = _leaves(inputs)
         t0 = time.perf_counter()
         try:
-            fused = _step(compile_fused(fn, leaves, patches, expect), leaves, wants)
-            unfused = _step(compile_unfused(fn, leaves, training=True), leaves, wants)
+            steps = [_step(build(leaves), leaves, wants) for build in (build_fused, build_unfused)]
         finally:
             measure.add_spent("inductor_compile", time.perf_counter() - t0)
         t1 = time.perf_counter()
         times: tuple[list, list] = ([], [])
         try:
             for _ in range(ALTERNATING_ROUNDS):
-                for side, step in zip(times, (fused, unfused)):
+                for side, step in zip(times, steps):
                     side.append(float(do_bench(step, rep=config.tuning.rep_ms * 2, return_mode="median")))
         finally:
             measure.add_spent("timing", time.perf_counter() - t1)

@@ -62,8 +62,9 @@ def _choice(key, device, measure_fn: Callable[[], dict], default_label: Callable
     module docstring. ``step_fn`` (a training graph): where the forward alone would fuse, the whole step is
     timed too (``step_fn()``: the fused forward with the backward it implies against Inductor's forward and
     backward of the unfused subgraph, ``t_fused_step_ms`` / ``t_unfused_step_ms``, kept in the entry) and
-    decides: a forward that wins can still cost the step more in the backward it brings. ``margin``: the
-    fraction the fused side must win by, where the caller's comparison needs its own (else the label's)."""
+    decides, by ``tuning.margin_step``: a forward that wins can still cost the step more in the backward it
+    brings. ``margin``: the fraction the fused forward must win by, where the caller's comparison needs its
+    own (else the label's)."""
     choice, entry = _forward_choice(key, device, measure_fn, default_label, what, margin)
     if step_fn is None or not choice.fuse or choice.t_fused_ms is None:
         return choice
@@ -75,8 +76,7 @@ def _choice(key, device, measure_fn: Callable[[], dict], default_label: Callable
         return Choice(False, choice.config, f"left unfused: the training step could not be measured, and a "
                                             f"forward that wins alone may lose the step ({choice.reason})",
                       choice.t_fused_ms, choice.t_unfused_ms)
-    margin = measure.margin_for(choice.config) if margin is None else margin
-    fuse = t_fs < t_us * (1.0 - margin)
+    fuse = t_fs < t_us * (1.0 - config.tuning.margin_step)
     verdict = "fused" if fuse else "left unfused: fusion would not win the training step"
     reason = (f"{verdict} (measured the training step: {t_fs:.4g} ms fused forward + the backward it implies "
               f"[{choice.config}] vs {t_us:.4g} ms Inductor's forward + backward, CUDA events, no CUDA graphs; the "

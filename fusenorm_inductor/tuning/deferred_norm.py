@@ -179,7 +179,9 @@ def _measure_step(site: Site) -> dict:
         weight, norm_bias = like(site.weight, dev), like(site.norm_bias, dev)
     fn, inputs = baseline.norm_site_fn(a, b, bias, residual, weight, norm_bias, site.eps, site.norm == 1, consumers,
                                        with_y=False)
-    timed = baseline.time_training_steps(fn, inputs, "deferred norm site", STEP_PATCHES, "deferred_norm")
+    timed = baseline.time_training_steps(
+        lambda leaves: baseline.compile_fused(fn, leaves, STEP_PATCHES, "deferred_norm"),
+        lambda leaves: baseline.compile_unfused(fn, leaves, training=True), inputs, "deferred norm site")
     return {} if timed is None else {"t_fused_step_ms": timed[0], "t_unfused_step_ms": timed[1]}
 
 
