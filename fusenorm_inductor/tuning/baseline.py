@@ -16,6 +16,11 @@ falls back to the estimate (cuBLAS + a norm at copy speed, ops/measure.py) and i
 
 The post-norm, pre-norm and regrouped-backward decisions use it (``post_norm_fn``, ``pre_norm_fn``,
 ``dgrad_norm_fn``), where it can turn their verdict (``worth_measuring``).
+
+In a training graph a site whose forward won is judged by its whole step (``time_training_steps``): Inductor's
+forward and backward of the unfused site against the fused side's, compiled by Inductor around the fused op
+(post-norm, whose op has its own autograd) or by fusenorm itself (``compile_fused``: deferral, whose backward
+is what the joint-graph rewrite makes of the site).
 """
 
 from __future__ import annotations
@@ -38,8 +43,8 @@ from .. import config
 from . import measure
 from ..ops.norm import norm_backward_reference
 
-__all__ = ["compile_unfused", "dgrad_norm_fn", "in_baseline_compile", "post_norm_fn", "pre_norm_fn", "time_compiled",
-           "unfused_where_it_counts", "worth_measuring"]
+__all__ = ["compile_fused", "compile_unfused", "dgrad_norm_fn", "in_baseline_compile", "norm_site_fn", "post_norm_fn",
+           "pre_norm_fn", "time_compiled", "time_training_steps", "unfused_where_it_counts", "worth_measuring"]
 
 
 def _norm(h: Tensor, weight, norm_bias, eps: float, is_rms: bool) -> Tensor:
@@ -262,16 +267,6 @@ def _step(compiled: Callable, leaves: list, wants: list) -> Callable[[], None]:
     return step
 
 
-def _timed(what: str, work: Callable[[], object]):
-    """``work()`` in a worker (``in_worker``); None (warned once per reason) where it raised."""
-    try:
-        return in_worker(work)
-    except Exception as e:  # noqa: BLE001 - the decision then declines (it cannot judge the step)
-        err = measure.first_line(e)
-        measure.warn_once(("step", err), f"could not compile and time a training step of the {what} ({err})")
-        return None
-
-
 _fresh = itertools.count()
 
 
@@ -332,8 +327,13 @@ def time_training_steps(build_fused: Callable[[list], Callable], build_unfused: 
             measure.add_spent("timing", time.perf_counter() - t1)
         return statistics.median(times[0]), statistics.median(times[1])
 
-    out = _timed(what, work)
-    return out if out is not None and all(0 < t < float("inf") for t in out) else None
+    try:
+        out = in_worker(work)
+    except Exception as e:  # noqa: BLE001 - the decision then declines (it cannot judge the step)
+        err = measure.first_line(e)
+        measure.warn_once(("step", err), f"could not compile and time a training step of the {what} ({err})")
+        return None
+    return out if all(0 < t < float("inf") for t in out) else None
 
 
 def enabled(device: torch.device) -> bool:
