@@ -177,8 +177,9 @@ class tuning:
     rep_ms: float = 10.0
     # Threads that compile a decision's candidate kernels ahead of timing them, each candidate's first call in
     # its own thread (triton's compile runs much of its work outside the GIL, and ptxas in a subprocess): the
-    # compiles are most of a first step's measuring. 1 compiles them one at a time, in the timing loop.
-    compile_threads: int = min(8, os.cpu_count() or 1)
+    # compiles are most of a first step's measuring. 1 (the default until the parallel path has run on a
+    # GPU) compiles them one at a time, in the timing loop.
+    compile_threads: int = 1
 
 
 # When a pass raises, log a warning and leave the graph to plain Inductor (the graph is restored from a
