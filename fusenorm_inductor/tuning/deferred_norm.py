@@ -173,8 +173,8 @@ def _measure_step(site: Site) -> dict:
     with measure.RealInputs():
         if site.producer is not None:
             a, b, bias, residual = measure.real_gemm_operands(*site.producer[:4])
-        else:
-            a, b, bias, residual = like(site.x, dev), None, None, None
+        else:  # the norm's input from pointwise code: an add, into which Inductor fuses the statistics' reduction
+            a, b, bias, residual = like(site.x, dev), None, None, like(site.x, dev)
         consumers = [tuple(measure.real_gemm_operands(site.x, cb, cbias)[1:]) for cb, cbias in site.consumers]
         weight, norm_bias = like(site.weight, dev), like(site.norm_bias, dev)
     fn, inputs = baseline.norm_site_fn(a, b, bias, residual, weight, norm_bias, site.eps, site.norm == 1, consumers,
