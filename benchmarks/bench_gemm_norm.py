@@ -807,7 +807,8 @@ def setup_torch(tuning_rep_ms: float | None = None, gluon: bool = True) -> dict:
         return {}
     if tuning_rep_ms is not None:
         tuning.rep_ms = tuning_rep_ms
-    return {**{k: getattr(tuning, k, None) for k in ("measure", "rep_ms", "margin", "cache_dir")},
+    return {**{k: getattr(tuning, k, None) for k in ("measure", "rep_ms", "margin", "margin_step", "compile_threads",
+                                                     "cache_dir")},
             "gluon": getattr(fusenorm_inductor.config, "gluon", None)}
 
 

@@ -747,8 +747,12 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help=f"JSON to write (default {DEFAULT_OUT}); the PNG goes beside it")
     p.add_argument("--resume", action="store_true", help="keep the rows already in --out, measure the others")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge partial runs into --out, print, plot")
+    p.add_argument("--compile-threads", type=int, default=None,
+                   help="fusenorm's tuning.compile_threads (threads compiling a decision's candidates at once)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, a few steps (times meaningless)")
     a = p.parse_args(argv)
+    if a.compile_threads is not None and a.compile_threads < 1:
+        p.error("--compile-threads: must be >= 1")
     dry = a.dry_run
     a.models = [m.strip() for m in a.models.split(",") if m.strip()]
     bad = [m for m in a.models if m not in ALL_MODELS]
@@ -798,6 +802,10 @@ def main(argv=None) -> dict:
         inductor_config.cpp.vec_isa_ok = False  # scalar C++ kernels: compile ~2x faster; CPU times mean nothing
     if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1":
         log("note: TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 disables the kernel caches too: compiles will be slower")
+    if args.compile_threads is not None:
+        from fusenorm_inductor import config as fn_config
+
+        fn_config.tuning.compile_threads = args.compile_threads
     tuning = gn.setup_torch()  # fusenorm registered and not enabled globally (the baseline is plain Inductor)
     meta = meta_block(args, device, tuning)
     done = {}
