@@ -41,3 +41,30 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+@pytest.fixture
+def cpu_step_timer(monkeypatch):
+    """``baseline.time_training_steps`` without a GPU timer: both sides are compiled as the decision compiles
+    them and run one training step on the CPU, and every output and gradient of the fused side must equal
+    the unfused side's; the "times" are (1.0, 2.0). Yields the ``what`` of each call."""
+    from fusenorm_inductor.tuning import baseline
+
+    calls = []
+
+    def steps(build_fused, build_unfused, inputs, what):
+        runs = []
+        for build in (build_fused, build_unfused):
+            leaves, wants = baseline._leaves(inputs)
+            outs = build(leaves)(*leaves)
+            outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+            grads = torch.autograd.grad(outs, wants, [torch.ones_like(o) for o in outs])
+            runs.append(outs + list(grads))
+        assert len(runs[0]) == len(runs[1]) > 2
+        for f, u in zip(*runs):
+            torch.testing.assert_close(f, u, rtol=1e-3, atol=1e-3)
+        calls.append(what)
+        return 1.0, 2.0
+
+    monkeypatch.setattr(baseline, "time_training_steps", steps)
+    yield calls

@@ -107,3 +107,15 @@ def test_forward_choice_asks_for_the_step_only_in_training(monkeypatch):
     args = (a, b, None, None, w, None, 1e-6, True, torch.bfloat16, True)
     assert mm_norm_tuning.forward_choice(*args).fuse and not calls
     assert not mm_norm_tuning.forward_choice(*args, training=True).fuse and len(calls) == 1
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_post_norm_step_measurement_plumbing(cpu_step_timer, rms):
+    """``measure_step`` with the GPU timer replaced (``cpu_step_timer``): the fused op (its own autograd, the
+    norm's backward decomposed) and Inductor's unfused linear + norm compile for the same inputs and agree on
+    the output and every gradient (a, b, bias, residual, the norm's weight and bias)."""
+    torch.manual_seed(20)
+    a, b, bias, res = torch.randn(67, 24), torch.randn(24, 40) / 5, torch.randn(40), torch.randn(67, 40)
+    w, nb = torch.randn(40), (None if rms else torch.randn(40))
+    got = mm_norm_tuning.measure_step(a, b, bias, res, w, nb, 1e-5, rms, None, True)
+    assert got == {"t_fused_step_ms": 1.0, "t_unfused_step_ms": 2.0} and cpu_step_timer == ["linear + norm"]
