@@ -450,11 +450,11 @@ def _install_hooks() -> None:
 def aside() -> Iterator[list[GraphReport]]:
     """A compile made inside another compile's pass (a decision compiling the fused side of its own site, to
     time it) keeps its reports and counters to itself: the list this yields gets the reports made inside the
-    block; after it, the outer compile's current report, the history, fusenorm's counters and the cache-hit
-    counts (which the outer compile's end callback reads) are as they were."""
+    block; after it, the outer compile's current report, the history and torch's counters (fusenorm's, Dynamo's
+    frame and graph counts a user's test may check, the cache-hit counts the outer compile's end callback
+    reads) are as they were."""
     global _current, _made
-    saved = (_current, list(_history), _made, dict(counters["fusenorm"]),
-             {k: dict(counters[k]) for k in ("aot_autograd", "inductor")})
+    saved = (_current, list(_history), _made, {k: dict(v) for k, v in counters.items()})
     made: list[GraphReport] = []
     try:
         yield made
@@ -462,10 +462,8 @@ def aside() -> Iterator[list[GraphReport]]:
         made.extend(r for r in _history if all(r is not s for s in saved[1]))
         _current, _made = saved[0], saved[2]
         _history[:] = saved[1]
-        counters["fusenorm"].clear()
-        counters["fusenorm"].update(saved[3])
-        for k, v in saved[4].items():
-            counters[k].clear()
+        counters.clear()
+        for k, v in saved[3].items():
             counters[k].update(v)
 
 
