@@ -462,9 +462,9 @@ def aside() -> Iterator[list[GraphReport]]:
         made.extend(r for r in _history if all(r is not s for s in saved[1]))
         _current, _made = saved[0], saved[2]
         _history[:] = saved[1]
-        counters.clear()
-        for k, v in saved[3].items():
-            counters[k].update(v)
+        for k in set(counters) | set(saved[3]):  # in place: code holding a counter keeps counting into it
+            counters[k].clear()
+            counters[k].update(saved[3].get(k, {}))
 
 
 def reports() -> list[GraphReport]:
