@@ -4,6 +4,7 @@
   empty and a test could pass without compiling anything.
 - Kernel tuning does not measure (config.tuning.measure off): every match is fused with the kernels' first
   candidate, so the small test shapes are fused and checked; test_tuning.py turns it on where it tests it.
+  The tuning cache is this run's own directory.
 - Without CUDA, Triton kernels are tested in the interpreter (TRITON_INTERPRET must be set before any
   kernel module is imported).
 """
@@ -22,15 +23,23 @@ import fusenorm_inductor  # noqa: E402
 from fusenorm_inductor import config  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def _tuning_cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("fusenorm-tuning"))
+
+
 @pytest.fixture(autouse=True)
-def _fresh_compile_state():
-    """Each test compiles from scratch, with fusenorm's counters and reports empty, and errors raised."""
+def _fresh_compile_state(_tuning_cache_dir):
+    """Each test compiles from scratch, with fusenorm's counters and reports empty, and errors raised. What
+    tests measure (a fake timer's verdicts, a fake bandwidth) is stored in this run's own tuning cache, never in
+    the user's (a later real run on the same machine would read it)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     fusenorm_inductor.report.clear()
-    with config.patch({"fallback_on_error": False, "tuning.measure": False}):
+    with config.patch({"fallback_on_error": False, "tuning.measure": False,
+                       "tuning.cache_dir": config.tuning.cache_dir or _tuning_cache_dir}):
         yield
     torch._dynamo.reset()
 
