@@ -245,6 +245,31 @@ def test_failed_probe_is_not_memoized(broken_probe):
     assert measure._memo[("copy_gbps", dev)]
 
 
+def test_probed_bandwidth_is_kept_on_disk(broken_probe, tmp_path):
+    """A later process whose decisions are cached does not probe again (the probe compiles and times a kernel
+    in its first step): the bandwidth is read from the tuning cache. A failed probe stores nothing, and a
+    stored value that is not a bandwidth is probed over."""
+    dev = torch.device("cpu")
+    with pytest.warns(UserWarning, match="probe on cpu failed"):
+        assert measure.copy_bandwidth_gbps(dev) == 0.0
+    assert not _cache_path(tmp_path).exists()
+    broken_probe.broken = False
+    gbps = measure.copy_bandwidth_gbps(dev)
+    assert gbps == pytest.approx(2 * (1 << 28) / 1e6)
+    measure.clear_memory()  # a new process: only the file is left
+    broken_probe.broken = True  # a probe now would fail: 0.0 and a warning
+    assert measure.copy_bandwidth_gbps(dev) == gbps
+    path = _cache_path(tmp_path)
+    disk_key = measure._disk_key(("copy_gbps", dev))
+    for bad in (-1.0, 0, "fast", True, None, [1.0]):
+        data = json.loads(path.read_text())
+        data[disk_key] = {"gbps": bad}
+        path.write_text(json.dumps(data))
+        measure.clear_memory()
+        with pytest.warns(UserWarning, match="probe on cpu failed"):
+            assert measure.copy_bandwidth_gbps(dev) == 0.0, bad
+
+
 def test_probe_that_raises(monkeypatch):
     """An exception outside the timer (allocating the buffers on a full GPU) is a failed probe too."""
 
