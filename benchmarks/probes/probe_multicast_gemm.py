@@ -25,7 +25,9 @@ product, the step the next device session takes.
     .venv-next/bin/python benchmarks/probes/probe_multicast_gemm.py            # compile for sm_90a (CPU)
     python benchmarks/probes/probe_multicast_gemm.py --run --shape 1024x1024   # a GPU with triton >= 3.9
 
-Results (compile only, triton 3.9.0, 2026-12-05): benchmarks/results/probe_multicast_gemm.txt.
+Results: compiled (triton 3.9.0, 2026-12-05): benchmarks/results/probe_multicast_compile.txt; run on an H100
+with triton 3.9.0 carried beside torch 2.11 (2026-12-06; triton 3.9 needs TRITON_PTXAS_BLACKWELL_PATH set as
+well as TRITON_PTXAS_PATH): benchmarks/results/probe_multicast_run_h100.txt.
 """
 
 from __future__ import annotations
