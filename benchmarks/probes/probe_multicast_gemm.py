@@ -87,32 +87,48 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty_a, empty_b, M, N, K):
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty_a, empty_b, c_desc, c_smem, M, N, K, WARPS: gl.constexpr):
+def acc_layout(BN: gl.constexpr, WARPS: gl.constexpr):
+    """The accumulator's layout: wgmma's, [2 * BM, BN] sharded over the pair along M."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BN, 16],
+                                     cga_layout=[[1, 0]])
+
+
+@gluon.jit
+def mainloop(a_bufs, b_bufs, ready, empty_a, empty_b, c, K, layout: gl.constexpr):
+    """One pair tile's accumulator over K, from the stages the loader fills, each stage released as soon as
+    its wgmma retired; returns (acc, the stage counter after it). Every consumer of this probe family shares
+    it, each with its own epilogue."""
     BM2: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
     S: gl.constexpr = a_bufs.type.shape[0]
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                     instr_shape=[16, BN, 16], cga_layout=[[1, 0]])
-    k_tiles = gl.cdiv(K, BK)
+    acc = gl.zeros([BM2, BN], gl.float32, layout)
+    for kk in range(gl.cdiv(K, BK)):
+        s = c % S
+        mbarrier.wait(ready.index(s), (c // S) & 1)
+        acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=kk > 0,
+                            is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+        prev = (c + S - 1) % S  # the previous step's wgmma retired: its stage is free in this CTA
+        mbarrier.arrive(empty_a.index(prev), pred=kk > 0)
+        mbarrier.arrive(empty_b.index(prev), pred=kk > 0)
+        c += 1
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    last = (c + S - 1) % S
+    mbarrier.arrive(empty_a.index(last))
+    mbarrier.arrive(empty_b.index(last))
+    return acc, c
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty_a, empty_b, c_desc, c_smem, M, N, K, WARPS: gl.constexpr):
+    BM2: gl.constexpr = a_bufs.type.shape[1]
+    BN: gl.constexpr = b_bufs.type.shape[1]
+    layout: gl.constexpr = acc_layout(BN, WARPS)
     c = 0
     for t in range(gl.program_id(0), _tiles(M, N, BM2, BN), gl.num_programs(0)):
         pm, pn = _coords(t, N, BN)
-        acc = gl.zeros([BM2, BN], gl.float32, layout)
-        for kk in range(k_tiles):
-            s = c % S
-            mbarrier.wait(ready.index(s), (c // S) & 1)
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=kk > 0,
-                                is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc,))
-            prev = (c + S - 1) % S  # the previous step's wgmma retired: its stage is free in this CTA
-            mbarrier.arrive(empty_a.index(prev), pred=kk > 0)
-            mbarrier.arrive(empty_b.index(prev), pred=kk > 0)
-            c += 1
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        last = (c + S - 1) % S
-        mbarrier.arrive(empty_a.index(last))
-        mbarrier.arrive(empty_b.index(last))
+        acc, c = mainloop(a_bufs, b_bufs, ready, empty_a, empty_b, c, K, layout)
         tma.store_wait(0)  # the previous tile's store has left c_smem
         c_smem.store(acc.to(c_desc.dtype))
         fence_async_shared()
@@ -121,8 +137,9 @@ def _consumer(a_bufs, b_bufs, ready, empty_a, empty_b, c_desc, c_smem, M, N, K, 
 
 
 @gluon.jit
-def pair_gemm(a_desc, b_desc, c_desc, M, N, K, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """C [M, N] = A [M, K] @ B [N, K]^T, bf16, fp32 accumulation (the module docstring)."""
+def pair_buffers(a_desc, b_desc, c_desc, STAGES: gl.constexpr):
+    """The pair kernel's shared memory: STAGES of A and B, C's staging tile, and the stages' barriers
+    (``ready`` and ``empty_a`` per CTA, ``empty_b`` for the pair in CTA 0: the module docstring)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
@@ -133,6 +150,13 @@ def pair_gemm(a_desc, b_desc, c_desc, M, N, K, STAGES: gl.constexpr, num_warps: 
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty_a.index(i), count=1)
         mbarrier.init(empty_b.index(i), count=1)
+    return a_bufs, b_bufs, c_smem, ready, empty_a, empty_b
+
+
+@gluon.jit
+def pair_gemm(a_desc, b_desc, c_desc, M, N, K, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """C [M, N] = A [M, K] @ B [N, K]^T, bf16, fp32 accumulation (the module docstring)."""
+    a_bufs, b_bufs, c_smem, ready, empty_a, empty_b = pair_buffers(a_desc, b_desc, c_desc, STAGES)
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, ready, empty_a, empty_b, c_desc, c_smem, M, N, K, num_warps)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty_a, empty_b, M, N, K)),
@@ -147,16 +171,34 @@ def _layouts():
     return a, b, c
 
 
-def compile_sm90a():
+def compile_pair(kernel, extra_sig: dict, constexprs: dict):
+    """``kernel`` compiled for sm_90a as a pair (``num_ctas=2``): its descriptors' types (the pair tile's
+    layouts), ``extra_sig`` for its other parameters, and STAGES / num_warps (this module's)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     la, lb, lc = _layouts()
     sig = {"a_desc": f"tensordesc<bf16[{2 * BM}, {BK}],{la!r}>", "b_desc": f"tensordesc<bf16[{BN}, {BK}],{lb!r}>",
-           "c_desc": f"tensordesc<bf16[{2 * BM}, {BN}],{lc!r}>", "M": "i32", "N": "i32", "K": "i32",
+           "c_desc": f"tensordesc<bf16[{2 * BM}, {BN}],{lc!r}>", **extra_sig,
            "STAGES": "constexpr", "num_warps": "constexpr"}
-    src = GluonASTSource(pair_gemm, sig, constexprs={"STAGES": STAGES, "num_warps": WARPS})
+    src = GluonASTSource(kernel, sig, constexprs={**constexprs, "STAGES": STAGES, "num_warps": WARPS})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS, "num_ctas": 2})
+
+
+def compile_sm90a(_shape: str = ""):
+    return compile_pair(pair_gemm, {"M": "i32", "N": "i32", "K": "i32"}, {})
+
+
+def descriptors(a, b, c):
+    """TMA descriptors of A [M, K], B [N, K] and C [M, N] for the pair tile, and the persistent grid."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    la, lb, lc = _layouts()
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    grid = (min(sms // 2, triton.cdiv(a.shape[0], 2 * BM) * triton.cdiv(b.shape[0], BN)),)
+    return (TensorDescriptor.from_tensor(a, [2 * BM, BK], la), TensorDescriptor.from_tensor(b, [BN, BK], lb),
+            TensorDescriptor.from_tensor(c, [2 * BM, BN], lc), grid)
 
 
 def report(k) -> None:
@@ -173,11 +215,9 @@ def report(k) -> None:
         print(f"    {what}: " + "; ".join(kinds(pattern)))
 
 
-def run(shape: str) -> None:
-    """On a GPU: check the product against cuBLAS's and time both (do_bench medians)."""
+def operands(shape: str):
+    """(M, K, N, A [M, K], B [N, K], C [M, N] poisoned with NaN) for ``--shape KxN``, M = 262144, bf16, seeded."""
     import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.testing import do_bench
 
     k_dim, n_dim = (int(v) for v in shape.split("x"))
     m_dim = 262144
@@ -185,12 +225,16 @@ def run(shape: str) -> None:
     a = torch.randn(m_dim, k_dim, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n_dim, k_dim, device="cuda", dtype=torch.bfloat16) / k_dim ** 0.5
     c = torch.full((m_dim, n_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
-    la, lb, lc = _layouts()
-    da = TensorDescriptor.from_tensor(a, [2 * BM, BK], la)
-    db = TensorDescriptor.from_tensor(b, [BN, BK], lb)
-    dc = TensorDescriptor.from_tensor(c, [2 * BM, BN], lc)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    grid = (min(sms // 2, triton.cdiv(m_dim, 2 * BM) * triton.cdiv(n_dim, BN)),)
+    return m_dim, k_dim, n_dim, a, b, c
+
+
+def run(shape: str) -> None:
+    """On a GPU: check the product against cuBLAS's and time both (do_bench medians)."""
+    import torch
+    from triton.testing import do_bench
+
+    m_dim, k_dim, n_dim, a, b, c = operands(shape)
+    da, db, dc, grid = descriptors(a, b, c)
 
     def call():
         pair_gemm[grid](da, db, dc, m_dim, n_dim, k_dim, STAGES=STAGES, num_warps=WARPS, num_ctas=2)
@@ -206,27 +250,29 @@ def run(shape: str) -> None:
               f"cuBLAS {do_bench(lambda: torch.mm(a, b.t()), rep=100):.3f} ms")
 
 
-def main() -> None:
-    doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
+def probe_main(doc: str, title: str, compile_fn, report_fn, run_fn) -> None:
+    """A pair probe's command line: compile for sm_90a (``compile_fn(shape)``) and print what compiled
+    (``report_fn``); with ``--run``, ``run_fn(shape)`` on this machine's GPU."""
+    parts = doc.split("\n\n")
+    p = argparse.ArgumentParser(description=parts[0], epilog="\n\n".join(parts[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", action="store_true", help="also check and time it on this machine's GPU")
-    p.add_argument("--shape", default="1024x1024", help="KxN of the GEMM (--run; M = 262144)")
+    p.add_argument("--shape", default="1024x1024", help="KxN of the GEMM (M = 262144)")
     args = p.parse_args()
-    print(f"triton {triton.__version__}; pair tile: A [{2 * BM}, {BK}] sharded over 2 CTAs, B [{BN}, {BK}] "
-          f"multicast, {STAGES} stages, {WARPS} consumer warps")
+    print(f"triton {triton.__version__}; {title}")
     if not HAVE_MULTI_CTA:
         print("this triton's Gluon has no multi-CTA API (triton 3.6): nothing to compile")
         return
     try:
-        report(compile_sm90a())
+        report_fn(compile_fn(args.shape))
     except Exception:  # noqa: BLE001 - the answer may be "no": print why
         print("does not compile")
-        traceback.print_exc(limit=3, file=sys.stdout)
+        traceback.print_exc(limit=4, file=sys.stdout)
         return
     if args.run:
-        run(args.shape)
+        run_fn(args.shape)
 
 
 if __name__ == "__main__":
-    main()
+    probe_main(__doc__, f"pair tile: A [{2 * BM}, {BK}] sharded over 2 CTAs, B [{BN}, {BK}] multicast, {STAGES} "
+               f"stages, {WARPS} consumer warps", compile_sm90a, report, run)
