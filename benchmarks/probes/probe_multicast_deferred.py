@@ -19,8 +19,10 @@ It prints what compiled (shared memory, the PTX's multicast copies, the epilogue
 ``--run`` (a GPU with this triton), checks c and stats against an fp32 reference and times it against the
 plain pair GEMM and cuBLAS's ``mm`` on the same operands (do_bench medians, three rounds).
 
-    .venv-next/bin/python benchmarks/probes/probe_multicast_deferred.py            # compile for sm_90a (CPU)
-    python benchmarks/probes/probe_multicast_deferred.py --run --shape 1024x1024   # a GPU with triton >= 3.9
+    PYTHONPATH=. .venv-next/bin/python benchmarks/probes/probe_multicast_deferred.py   # compile for sm_90a (CPU)
+    python benchmarks/probes/probe_multicast_deferred.py --run --shape 1024x1024   # GPU, triton >= 3.9, fusenorm installed
+
+(The reference and the input statistics are the product's, kernels/deferred.py: fusenorm must be importable.)
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from triton.experimental.gluon import language as gl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import probe_multicast_gemm as pair  # noqa: E402 - the mainloop, loader and layouts this probe shares
 
-if pair.HAVE_MULTI_CTA:  # else main() says so and compiles nothing
+from fusenorm_inductor.kernels.deferred import RMS, merge_stats, partial_stats  # noqa: E402 - the product's
+
+if pair.HAVE_MULTI_CTA:  # else probe_main says so and compiles nothing
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
 TILE = 256  # columns per statistics tile (= the pair tile's BN: one partial per row and N tile)
@@ -110,16 +114,13 @@ def report(k) -> None:
 
 
 def reference(a, b_fold, bias, a_stats, k_dim: int):
-    """(c, stats) in fp32 math, c rounded once to bf16, stats of the rounded c."""
+    """(c, stats) in fp32 math, c rounded once to bf16, stats of the rounded c: the product's own statistics
+    functions (kernels/deferred.py), RMSNorm's row [M, T] of them."""
     import torch
 
-    rstd = torch.rsqrt(a_stats.sum(1) / k_dim + EPS)
+    rstd = merge_stats(a_stats.unsqueeze(0), k_dim, TILE, EPS, RMS)[1]
     c = (rstd[:, None] * (a.float() @ b_fold.float().t()) + bias).to(torch.bfloat16)
-    sq = c.float().square()
-    n_dim = c.shape[1]
-    pad = (-n_dim) % TILE
-    stats = torch.nn.functional.pad(sq, (0, pad)).view(c.shape[0], -1, TILE).sum(2)
-    return c, stats
+    return c, partial_stats(c, RMS, TILE)[0]
 
 
 def run(shape: str) -> None:
@@ -129,7 +130,7 @@ def run(shape: str) -> None:
     m_dim, k_dim, n_dim, a, b_fold, c = pair.operands(shape)  # b_fold: a weight with the norm's weight in it
     bias = torch.randn(n_dim, device="cuda", dtype=torch.float32)
     t_in = triton.cdiv(k_dim, TILE)
-    a_stats = torch.nn.functional.pad(a.float().square(), (0, (-k_dim) % TILE)).view(m_dim, t_in, TILE).sum(2)
+    a_stats = partial_stats(a, RMS, TILE)[0]
     stats = torch.full((m_dim, triton.cdiv(n_dim, TILE)), float("nan"), device="cuda", dtype=torch.float32)
     da, db, dc, grid = pair.descriptors(a, b_fold, c)
 
