@@ -78,8 +78,15 @@ def test_every_path_is_compiled(compiled):
     from fusenorm_inductor.kernels.hopper import deferred_mm
 
     deferred = [v for v in compiled if v.get("op") == "deferred_mm"]
-    assert {v["config"][0] for v in deferred} == {"gl_coop", "gl_pp"}
-    assert {v["flags"] for v in deferred} == set(deferred_mm.OFFLINE_FLAGS)
+    # CTA pairs where the compiling triton's Gluon has the multi-CTA API (not 3.6), for the flag sets without
+    # a residual, B as [N, K]
+    pairs = [v for v in deferred if v["config"][0] == deferred_mm.PAIR_KIND]
+    assert bool(pairs) == (not deferred[0]["triton"].startswith("3.6."))
+    assert {v["config"][0] for v in deferred} == {"gl_coop", "gl_pp"} | ({deferred_mm.PAIR_KIND} if pairs else set())
+    assert {v["flags"] for v in deferred} == set(deferred_mm.OFFLINE_FLAGS) - (
+        set() if pairs else set(deferred_mm.PAIR_ONLY_FLAGS))
+    assert all(not deferred_mm.OFFLINE_FLAGS[v["flags"]]["residual"] and not v["b_kn"] for v in pairs)
+    assert set(deferred_mm.PAIR_ONLY_FLAGS) <= {v["flags"] for v in pairs}
     # every statistics group width of the grid, and LayerNorm's groups that straddle N (NaN-padded bias)
     assert {v["out_tile"] for v in deferred} == {0, *deferred_mm.OFFLINE_OUT_TILES}
     assert any(v["flags"].startswith(("prod_ln", "chain_ln")) and v["n"] % v["out_tile"] for v in deferred)
@@ -247,6 +254,32 @@ def test_deferred_mm_configs_split_their_statistics_tiles():
     a = torch.empty((257, 40), dtype=torch.bfloat16)
     b = torch.empty((64, 40), dtype=torch.bfloat16).t()
     assert "not on CUDA" in hopper.unsupported(a, b, None, hopper.LN, 32)
+
+
+def test_deferred_mm_offers_the_cta_pair_where_it_can_run():
+    """The CTA-pair tile (pair_core) leads ``deferred_mm``'s candidates for rows wider than 128 where this
+    triton's Gluon has the multi-CTA API (never on 3.6), with B an nn.Linear weight and no residual; it is
+    never offered with a residual, row-scaled residual terms, a row-major B or rows of 128."""
+    from fusenorm_inductor.kernels.hopper import deferred_mm as hopper
+    from fusenorm_inductor.kernels.hopper import pair_core
+
+    a = torch.empty((1000, 1024), device="meta", dtype=torch.bfloat16)
+    weight = torch.empty((2048, 1024), device="meta", dtype=torch.bfloat16)
+
+    def kinds(b, out_tile=128, **kw):
+        return [c.kind for c in hopper.candidates(a, b, out_tile, **kw)]
+
+    here = pair_core.unavailable() is None
+    assert (kinds(weight.t())[0] == hopper.PAIR_KIND) == here
+    assert (kinds(weight.t(), 0)[0] == hopper.PAIR_KIND) == here
+    assert hopper.PAIR_KIND not in kinds(weight.t(), residual=True) + kinds(weight.t(), res_rows=True)
+    assert hopper.PAIR_KIND not in kinds(weight.t().contiguous()) + kinds(weight[:128].t())
+    pair = hopper.fit_config(hopper.PAIR_KIND, 128, 256, 64, 4, 8, 1)
+    assert hopper.launch_shape(pair).ctas == 2 and hopper._blocks(pair, False) == ([256, 64], [256, 64],
+                                                                                  [256, 256], [256, 256])
+    with pytest.raises(ValueError, match="residual"):
+        hopper._constexprs(pair, hopper.launch_shape(pair), 1024, False, bias=True, residual=True, a_norm=hopper.LN,
+                           out_norm=hopper.LN, out_tile=128)
 
 
 def test_backward_column_sums_fold_programs_and_clusters():

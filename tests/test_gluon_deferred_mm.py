@@ -90,7 +90,7 @@ def candidates(args):
 
     a, b, residual, out_norm, out_tile = args[0], args[1], args[3], args[10], args[11]
     assert hopper.unsupported(a, b, residual, out_norm, out_tile) is None
-    cands = hopper.candidates(a, b, out_tile if out_norm != NONE else 0)
+    cands = hopper.candidates(a, b, out_tile if out_norm != NONE else 0, residual is not None, len(args) > 13)
     assert cands
     return cands
 
@@ -192,8 +192,6 @@ def test_chain_link(dtype, n, norm, residual, gluon_calls):
 def test_two_link_chain_is_the_unfused_norm(norm, gluon_calls):
     """linear -> norm -> linear as two deferred_mm calls (the first writes the statistics the second merges)
     against the unfused model in fp32: the norm of the stored y, then the second linear."""
-    from fusenorm_inductor.kernels.hopper import deferred_mm as hopper
-
     m, k, n1, n2 = 1000, 512, 1024, 264
     x = torch.randn(m, k, device="cuda").to(BF16)
     first = make_args(m, k, n1, BF16, NONE, norm, out_tile=128, a=x)
@@ -201,7 +199,7 @@ def test_two_link_chain_is_the_unfused_norm(norm, gluon_calls):
     check(first, (y, y_stats))
     second = make_args(m, n1, n2, BF16, norm, NONE, a_tile=128, a=y)
     second = second[:4] + (y_stats,) + second[5:]
-    z, _ = op.deferred_mm_tuned(second, config=hopper.candidates(y, second[1], 0)[0])
+    z, _ = op.deferred_mm_tuned(second, config=candidates(second)[0])
     check(second, (z, _))
     w, nb = second[5].float().cpu(), (second[6].float().cpu() if second[6] is not None else None)
     yf = y.float().cpu()
@@ -240,6 +238,24 @@ def test_row_scaled_residual(dtype, n, rows, b_t, gluon_calls):
     if rows == 3:
         terms[1] = res.float().mean(1)
     run_all(args[:3] + (res,) + args[4:] + (terms,), gluon_calls)
+
+
+@pytest.mark.parametrize("norm", [RMS, LN], ids=["rms", "ln"])
+def test_cta_pair_tower_link(norm, gluon_calls):
+    """Where this triton has CTA pairs (pair_core: triton >= 3.9): they lead the candidates of an MLP tower's
+    link (the norm applied, the next one's statistics written, bias, no residual) and run it right at
+    M = 1000 (a partial last pair), N = 1000 (a partial last tile; LayerNorm's last statistics group
+    straddles N), K = 1000. The other run_all tests take the pair too wherever it is offered."""
+    from fusenorm_inductor.kernels.hopper import deferred_mm as hopper
+    from fusenorm_inductor.kernels.hopper import pair_core
+
+    if pair_core.unavailable() is not None:
+        pytest.skip(pair_core.unavailable())
+    args = make_args(1000, 1000, 1000, BF16, norm, norm, residual=False)
+    cands = candidates(args)
+    assert cands[0].kind == hopper.PAIR_KIND
+    check(args, op.deferred_mm_tuned(args, config=cands[0]))
+    assert gluon_calls == [cands[0]]
 
 
 def test_plan_relaunches_on_new_tensors(gluon_calls):

@@ -75,10 +75,11 @@ def fp32_output_gemm(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def deferred_candidates(a: Tensor, b: Tensor, out_tile: int) -> list:
+def deferred_candidates(a: Tensor, b: Tensor, out_tile: int, residual: Optional[Tensor] = None,
+                        res_rows: Optional[Tensor] = None) -> list:
     from ..kernels.hopper import deferred_mm as hopper
 
-    return hopper.candidates(a, b, out_tile)
+    return hopper.candidates(a, b, out_tile, residual is not None, res_rows is not None)
 
 
 def deferred_key(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_norm, out_norm, out_tile, res_rows=None
@@ -94,7 +95,7 @@ def deferred_config(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps
     return measure.tuned_config(
         deferred_key(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_norm, out_norm, out_tile, res_rows),
         a.device,
-        lambda: deferred_candidates(a, b, out_tile))
+        lambda: deferred_candidates(a, b, out_tile, residual, res_rows))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -222,7 +223,7 @@ def _measure_site(site: Site) -> dict:
         for args in calls:
             key = deferred_key(*args[:7], args[8], args[10], args[11], args[13])
             best, times = measure.time_candidates(
-                deferred_candidates(args[0], args[1], args[11]),
+                deferred_candidates(args[0], args[1], args[11], args[3], args[13]),
                 lambda c, args=args: op.launch(args, c, _alloc))
             measure.store(key, measure.make_entry(best, times, None), bucket=True)
             times_best.append(times[best])

@@ -133,13 +133,19 @@ def fit_config(kind: str, bm: int, bn: int, bk: int, stages: int, warps: int, st
 
 
 @functools.lru_cache(maxsize=None)
-def _smem_layout(block: tuple, bf16: bool):
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if bf16 else gl.float16)
+def smem_layout(block: tuple, bf16: bool, split: Optional[tuple] = None):
+    """The shared-memory layout of a TMA box; ``split``: its CTA split (``pair_core``), None on one CTA."""
+    dtype = gl.bfloat16 if bf16 else gl.float16
+    if split is None:
+        return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype, cga_layout=[list(b) for b in split])
 
 
-def descriptor(t: Tensor, block: list):
-    """A host TMA descriptor of the 2-D tensor t with this box (the layout object is made once per box)."""
-    return TensorDescriptor.from_tensor(t, block, _smem_layout(tuple(block), t.dtype == torch.bfloat16))
+def descriptor(t: Tensor, block: list, split: Optional[list] = None):
+    """A host TMA descriptor of the 2-D tensor t with this box (the layout object is made once per box), split
+    over the CTAs of a program as ``split`` says (None: one CTA)."""
+    key = tuple(tuple(b) for b in split) if split is not None else None
+    return TensorDescriptor.from_tensor(t, block, smem_layout(tuple(block), t.dtype == torch.bfloat16, key))
 
 
 def padded(v: Optional[Tensor], bn: int) -> Optional[Tensor]:

@@ -9,8 +9,7 @@ import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
-
-from ._compat import gl
+from typing import Optional
 
 SM90 = ("cuda", 90, 32)
 
@@ -24,10 +23,13 @@ class Compiled:
     ptx: str
 
 
-def descriptor_type(block: list, dtype: str = "bf16") -> str:
-    """The signature type of a host TMA descriptor of a 16-bit tensor with this box."""
-    gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
+def descriptor_type(block: list, dtype: str = "bf16", split: Optional[list] = None) -> str:
+    """The signature type of a host TMA descriptor of a 16-bit tensor with this box (``split``: its CTA split,
+    common.descriptor's)."""
+    from .common import smem_layout
+
+    key = tuple(tuple(b) for b in split) if split is not None else None
+    layout = smem_layout(tuple(block), dtype == "bf16", key)
     return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{layout!r}>"
 
 
@@ -44,7 +46,7 @@ def runtime_attrs(signature: dict, ints: dict) -> dict:
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, maxnreg: int,
-                 attrs: dict | None = None) -> Compiled:
+                 attrs: dict | None = None, num_ctas: int = 1) -> Compiled:
     """Compile gluon.jit ``fn`` for sm_90a. ``signature``: parameter -> triton type (constexprs included as
     "constexpr"), in the kernel's parameter order; ``attrs``: ``runtime_attrs``. Returns its resource usage
     as ptxas reports it."""
@@ -53,7 +55,8 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, maxnreg:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     src = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget(*SM90), options={"num_warps": num_warps, "maxnreg": maxnreg})
+    k = triton.compile(src, target=GPUTarget(*SM90), options={"num_warps": num_warps, "maxnreg": maxnreg,
+                                                               "num_ctas": num_ctas})
     usage = _resource_usage(k.asm["cubin"])
     return Compiled(k.metadata.name, usage["REG"], usage["LOCAL"] + usage["STACK"], k.metadata.shared,
                     k.asm["ptx"])

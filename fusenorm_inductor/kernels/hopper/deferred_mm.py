@@ -41,7 +41,8 @@ from torch import Tensor
 
 from ..triton.common import num_sms
 from . import launch as L
-from ._compat import gl, gluon, mbarrier, smem_read_fence, thread_barrier, tma, tma_load
+from ._compat import constexpr_function, gl, gluon, mbarrier, smem_read_fence, thread_barrier, tma, tma_load
+from . import pair_core
 from .common import (
     LOAD_REGS,
     MAX_TILE_N,
@@ -57,8 +58,9 @@ from .common import (
     tma_ok,
 )
 from .cpu_compile import compile_sm90, descriptor_type, runtime_attrs
-from .epilogues import consumer_warps, load_vector, stage_store, tile_index
-from .gemm_core import gemm_ws, mma_layout
+from .epilogues import column_chunk_layout, load_vector, stage_store, tile_index
+from .gemm_core import gemm_ws
+from .pair_core import pair_ws
 
 # The epilogue's FLAGS (gemm_core passes its switches as one integer): a bit per switch of deferred_mm_kernel,
 # the two norm codes (0 none, 1 RMSNorm, 2 LayerNorm) in two bits each, then the statistics group width
@@ -185,7 +187,7 @@ def _chunk_sum(buf, col, x_mean, FIRST: gl.constexpr, OUT_NORM: gl.constexpr, EV
 
 @gluon.jit
 def _group_stats(buf, off_m, off_n, M, N, t_out, stats_ptr, G: gl.constexpr, OUT_NORM: gl.constexpr,
-                 EVEN_N: gl.constexpr, WARPS: gl.constexpr):
+                 EVEN_N: gl.constexpr, layout: gl.constexpr):
     """Store the output statistics of the tile's groups of G columns, read back from the staging tile where c
     was stored (the values as stored, a's dtype) in chunks of at most 64 columns: a few registers per chunk,
     none of them live while the accumulator is (in registers, the whole tile's statistics next to the
@@ -193,7 +195,7 @@ def _group_stats(buf, off_m, off_n, M, N, t_out, stats_ptr, G: gl.constexpr, OUT
     BM: gl.constexpr = buf.type.shape[0]
     BN: gl.constexpr = buf.type.shape[1]
     CH: gl.constexpr = G if G < 64 else 64
-    cl: gl.constexpr = mma_layout(BM, CH, WARPS)
+    cl: gl.constexpr = column_chunk_layout(layout, CH)
     rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, cl))
     rmask = rows < M
     zero = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, cl))
@@ -266,7 +268,7 @@ def _deferred_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_ba
     # normalizes exactly what it reads
     stage_store(h, c_desc, buf, off_m, off_n)
     if OUT_NORM != 0:
-        _group_stats(buf, off_m, off_n, M, N, t_out, stats_ptr, G, OUT_NORM, EVEN_N, consumer_warps(layout))
+        _group_stats(buf, off_m, off_n, M, N, t_out, stats_ptr, G, OUT_NORM, EVEN_N, layout)
         thread_barrier()  # every thread has read the tile before the next tile's residual or c lands in it
 
 
@@ -278,11 +280,33 @@ def deferred_mm_kernel(a_desc, b_desc, c_desc, res_desc, bias_ptr, colsum_ptr, a
                        NCONS: gl.constexpr,
                        B_KN: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
     eargs = (c_desc, res_desc, bias_ptr, colsum_ptr, a_stats_ptr, stats_ptr, K, a_tile, t_out, eps, res_rows_ptr)
-    FLAGS: gl.constexpr = (HAS_BIAS * FLAG_HAS_BIAS + HAS_RES * FLAG_HAS_RES + (A_NORM << FLAG_A_SHIFT)
-                           + (OUT_NORM << FLAG_OUT_SHIFT) + EVEN_N * FLAG_EVEN_N + (RES_ROWS << FLAG_ROWS_SHIFT)
-                           + (OUT_G << FLAG_G_SHIFT))
+    FLAGS: gl.constexpr = _flags(HAS_BIAS, HAS_RES, A_NORM, OUT_NORM, OUT_G, EVEN_N, RES_ROWS)
     gemm_ws(a_desc, b_desc, c_desc, M, N, K, _deferred_prologue, _deferred_epilogue, eargs, FLAGS, 0, 1, False,
             NUM_STAGES, 1, 1, NCONS, B_KN, 1, LOAD_REGS, MMA_REGS, num_warps)
+
+
+@gluon.jit
+def deferred_pair_kernel(a_desc, b_desc, c_desc, res_desc, bias_ptr, colsum_ptr, a_stats_ptr, stats_ptr,
+                         res_rows_ptr, M, N, K, a_tile, t_out, eps,
+                         HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, A_NORM: gl.constexpr, OUT_NORM: gl.constexpr,
+                         OUT_G: gl.constexpr, EVEN_N: gl.constexpr, RES_ROWS: gl.constexpr, NUM_STAGES: gl.constexpr,
+                         NCONS: gl.constexpr,
+                         B_KN: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """``deferred_mm_kernel`` on CTA pairs sharing B (pair_core.py; no residual, B [N, K]), the same parameters.
+    A kernel of its own: triton 3.6's JIT resolves every function a kernel names, and pair_core names API that
+    3.6 lacks."""
+    eargs = (c_desc, res_desc, bias_ptr, colsum_ptr, a_stats_ptr, stats_ptr, K, a_tile, t_out, eps, res_rows_ptr)
+    FLAGS: gl.constexpr = _flags(HAS_BIAS, HAS_RES, A_NORM, OUT_NORM, OUT_G, EVEN_N, RES_ROWS)
+    pair_ws(a_desc, b_desc, c_desc, M, N, K, _deferred_prologue, _deferred_epilogue, eargs, FLAGS, NUM_STAGES,
+            LOAD_REGS, num_warps)
+
+
+@constexpr_function
+def _flags(HAS_BIAS, HAS_RES, A_NORM, OUT_NORM, OUT_G, EVEN_N, RES_ROWS):
+    """The epilogue's FLAGS integer of the kernels' switches (the FLAG_* bits; here plain ints, their values)."""
+    return (HAS_BIAS * FLAG_HAS_BIAS.value + HAS_RES * FLAG_HAS_RES.value + (A_NORM << FLAG_A_SHIFT.value)
+            + (OUT_NORM << FLAG_OUT_SHIFT.value) + EVEN_N * FLAG_EVEN_N.value + (RES_ROWS << FLAG_ROWS_SHIFT.value)
+            + (OUT_G << FLAG_G_SHIFT.value))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -303,17 +327,22 @@ def out_group(block_n: int, n: int, out_norm: int, out_tile: int) -> Optional[in
     return None
 
 
-def candidates(a: Tensor, b: Tensor, out_tile: int) -> list:
+def candidates(a: Tensor, b: Tensor, out_tile: int, residual: bool = False, res_rows: bool = False) -> list:
     """Configurations worth timing, best guess first: the GEMM core's fastest plain ones (the epilogue is
     light and no row spans tiles; mm_norm.plain_candidates), the tile at most the next power of two of N
     wide. One staging tile per consumer, shared by the residual and c. ``out_tile`` (0: no output
-    statistics) keeps the configurations whose tiles it splits (``out_group``)."""
+    statistics) keeps the configurations whose tiles it splits (``out_group``). Rows wider than 128 also
+    get the CTA-pair tile (``pair_core``) where this triton has it, B is an nn.Linear weight ([N, K]) and
+    there is no residual (``residual``, ``res_rows``: whether the call has them)."""
     k = a.shape[1]
     n = b.shape[1]
     bk = 64 if k >= 64 else 32
     if n > 128:
         out = [fit_config("gl_coop", 128, MAX_TILE_N, bk, 4, 8, 1), fit_config("gl_pp", 128, 128, bk, 5, 4, 2),
                fit_config("gl_coop", 128, 128, bk, 6, 4, 1)]
+        if (bk == 64 and not residual and not res_rows and b_layout(a, b) == "nk"
+                and pair_core.unavailable() is None):
+            out.insert(0, fit_config(PAIR_KIND, 128, MAX_TILE_N, bk, 4, 8, 1))
     else:
         bn = pow2_tile(n)
         out = [fit_config("gl_pp", 128, bn, bk, 6, 4, 2), fit_config("gl_coop", 128, bn, bk, 6, 4, 1)]
@@ -339,20 +368,44 @@ def unsupported(a: Tensor, b: Tensor, residual: Optional[Tensor], out_norm: int,
     return storage_problem(a, b)
 
 
+PAIR_KIND = "gl_pair"  # the CTA-pair tile: block_m rows per CTA, 2 * block_m per pair
+
+
 class Launch(NamedTuple):
     ncons: int
     num_warps: int
     maxnreg: int
+    ctas: int  # CTAs per program (2: a pair, ``pair_core``)
 
 
 def launch_shape(config) -> Launch:
     ncons = 2 if config.kind == "gl_pp" else 1
     warps = 4 if ncons == 2 else config.warps
-    return Launch(ncons, warps, L.maxnreg(L.padded_warps(1) + warps * ncons))
+    return Launch(ncons, warps, L.maxnreg(L.padded_warps(1) + warps * ncons), 2 if config.kind == PAIR_KIND else 1)
+
+
+def _kernel(shape: Launch):
+    return deferred_pair_kernel if shape.ctas > 1 else deferred_mm_kernel
+
+
+def _blocks(config, kn: bool) -> tuple:
+    """TMA boxes of a, b, c and the residual (whole program tiles: a pair's are 2 * block_m rows)."""
+    bm, bn, bk = config.block_m * launch_shape(config).ctas, config.block_n, config.block_k
+    return [bm, bk], [bk, bn] if kn else [bn, bk], [bm, bn], [bm, bn]
+
+
+def _splits(config) -> tuple:
+    """The CTA split of each descriptor's box (``_blocks``): None on one CTA; a pair splits a, c and the
+    residual along M and loads b whole into both."""
+    if launch_shape(config).ctas == 1:
+        return (None,) * 4
+    return pair_core.SPLIT_M, pair_core.BROADCAST, pair_core.SPLIT_M, pair_core.SPLIT_M
 
 
 def _constexprs(config, shape: Launch, n: int, b_kn: bool, *, bias: bool, residual: bool, a_norm: int,
                 out_norm: int, out_tile: int, res_rows: int = 0) -> dict:
+    if shape.ctas > 1 and (residual or res_rows or b_kn):
+        raise ValueError(f"{config.label()}: a CTA pair takes no residual and B as [N, K] only")
     g = out_group(config.block_n, n, out_norm, out_tile)
     if g is None:
         raise ValueError(f"{config.label()}: out_tile={out_tile} does not split its tiles (N={n})")
@@ -403,8 +456,8 @@ class DeferredPlan:
         self.eps = float(a_eps) if a_norm != NONE else 0.0
         self.shape = shape = launch_shape(config)
         self.kn = b_layout(a, b_fold) == "kn"
-        bm, bn, bk = config.block_m, config.block_n, config.block_k
-        self.blocks = ([bm, bk], [bk, bn] if self.kn else [bn, bk], [bm, bn], [bm, bn])
+        self.blocks, self.splits = _blocks(config, self.kn), _splits(config)
+        bm, bn = self.blocks[2]
         consts = _constexprs(config, shape, n, self.kn, bias=bias_fold is not None, residual=residual is not None,
                              a_norm=self.a_norm, out_norm=self.out_norm, out_tile=out_tile, res_rows=self.res_rows)
         self.nan = nan_pad(config, n, self.out_norm, out_tile)
@@ -412,12 +465,14 @@ class DeferredPlan:
         self.nan_zeros = _nan_padded(torch.zeros(n, dtype=torch.float32, device=a.device), bn) if self.nan else None
         self.consts = tuple(consts[p] for p in _PARAMS[_N_RUNTIME:-1])
         args = self._runtime(a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, res_rows, descriptors=True)
-        compiled = L.compiled_kernel(deferred_mm_kernel, args + self.consts, 1, num_warps=shape.num_warps,
-                                     maxnreg=shape.maxnreg)
+        pair = {"num_ctas": shape.ctas} if shape.ctas > 1 else {}
+        compiled = L.compiled_kernel(_kernel(shape), args + self.consts, shape.ctas, num_warps=shape.num_warps,
+                                     maxnreg=shape.maxnreg, **pair)
         refuse_spills(compiled, config.label())
         self.compiled = compiled
         self.fast = L.fast_launcher(compiled, _N_DESC, shape.num_warps, a.device)
-        self.grid = min(-(-m // bm) * -(-n // bn), num_sms(a.device))
+        # persistent programs (a pair's two CTAs are one program), at most one per tile
+        self.grid = min(-(-m // bm) * -(-n // bn), num_sms(a.device) // shape.ctas)
 
     def _runtime(self, a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, res_rows, descriptors: bool
                  ) -> tuple:
@@ -427,7 +482,7 @@ class DeferredPlan:
         # absent tensors: c stands in (never read: the flags say so)
         descs = (a, b_fold if self.kn else b_fold.t(), c, residual if residual is not None else c)
         if descriptors:
-            descs = tuple(descriptor(t, blk) for t, blk in zip(descs, self.blocks))
+            descs = tuple(descriptor(t, blk, split) for t, blk, split in zip(descs, self.blocks, self.splits))
         if self.nan:
             bias_fold = _nan_padded(bias_fold.contiguous(), bn) if bias_fold is not None else self.nan_zeros
         else:
@@ -471,11 +526,10 @@ def compile_offline(config, n: int, k: int, *, a_norm: int, out_norm: int, out_t
     """Compile the kernel ``deferred_mm_gluon`` would launch for this config and flags, for sm_90a, on the
     CPU, with the launcher's argument types (absent tensors are c, bf16) and the JIT's specialization of these
     sizes. ``bias_fp32``: bias' is fp32 where a norm bias folds into it, else the linear's own bias (bf16)."""
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
     shape = launch_shape(config)
     t_out = _t_out(n, out_norm, out_tile)
-    values = dict(a_desc=descriptor_type([bm, bk]), b_desc=descriptor_type([bk, bn] if b_kn else [bn, bk]),
-                  c_desc=descriptor_type([bm, bn]), res_desc=descriptor_type([bm, bn]),
+    descs = [descriptor_type(blk, split=split) for blk, split in zip(_blocks(config, b_kn), _splits(config))]
+    values = dict(a_desc=descs[0], b_desc=descs[1], c_desc=descs[2], res_desc=descs[3],
                   bias_ptr="*fp32" if (bias and bias_fp32) or (not bias and nan_pad(config, n, out_norm, out_tile))
                   else "*bf16",
                   colsum_ptr="*fp32" if a_norm == LN else "*bf16", a_stats_ptr="*fp32" if a_norm else "*bf16",
@@ -487,12 +541,16 @@ def compile_offline(config, n: int, k: int, *, a_norm: int, out_norm: int, out_t
     constexprs["num_warps"] = shape.num_warps
     signature = {p: values.get(p, "constexpr") for p in _PARAMS}
     attrs = runtime_attrs(signature, dict(M=m, N=n, K=k, a_tile=a_tile if a_norm else 1, t_out=t_out))
-    return compile_sm90(deferred_mm_kernel, signature, constexprs, shape.num_warps, shape.maxnreg, attrs)
+    return compile_sm90(_kernel(shape), signature, constexprs, shape.num_warps, shape.maxnreg, attrs, shape.ctas)
 
 
 OFFLINE_NS = (64, 256, 1000, 4096)  # one tile; two 128 / one 256 tiles; ragged; many tiles
 OFFLINE_KS = (40, 256, 1000)  # K = 40: BK 32
 OFFLINE_OUT_TILES = (32, 128, 256)
+PAIR_ONLY_FLAGS = ("prod_ln_tower", "chain_ln_tower", "chain_rms_tower")
+# The pair's statistics tiles compiled offline: the one the passes write for rows wider than 128 (tuning's
+# stats_tile), and none.
+_PAIR_OUT_TILES = (0, 128)
 # the chain's ends and middle: a producer (a plain GEMM writing statistics, with bias and residual), a consumer
 # (the norm applied, nothing written: bias' fp32 from a folded norm bias), a link (both), and the plain GEMM
 OFFLINE_FLAGS = {
@@ -507,6 +565,11 @@ OFFLINE_FLAGS = {
     # statistics still read the NaN-padded vector where a group straddles N
     "cons_ln_nores": dict(a_norm=LN, out_norm=NONE, bias=True, bias_fp32=True, residual=False),
     "chain_ln_bare": dict(a_norm=LN, out_norm=LN, bias=False, residual=False),
+    # an MLP tower's (Linear -> norm) blocks, no residual: what the CTA-pair tile takes (pair_core); compiled
+    # for the pair only (on one CTA they are cons_ln_nores's and chain_ln_bare's code paths)
+    "prod_ln_tower": dict(a_norm=NONE, out_norm=LN, bias=True, residual=False),
+    "chain_ln_tower": dict(a_norm=LN, out_norm=LN, bias=True, bias_fp32=True, residual=False),
+    "chain_rms_tower": dict(a_norm=RMS, out_norm=RMS, bias=True, residual=False),
     # a norm's input gradient: the GEMM of the consumers' gradients, the norm's backward in the residual's
     # per-row terms (RMSNorm: a scale; LayerNorm: scale, center, shift)
     "dgrad_rms": dict(a_norm=NONE, out_norm=NONE, bias=False, residual=True, res_rows=1),
@@ -522,12 +585,17 @@ def offline_variants() -> list[dict]:
     for n in OFFLINE_NS:
         for k in OFFLINE_KS:
             a = torch.empty((1024, k), device="meta", dtype=torch.bfloat16)
-            b = torch.empty((k, n), device="meta", dtype=torch.bfloat16)
             for name, flags in OFFLINE_FLAGS.items():
+                kn = flags.get("b_kn", False)
+                # b as the launch sees it: row-major [K, N], or an nn.Linear weight [N, K] transposed
+                b = torch.empty((k, n) if kn else (n, k), device="meta", dtype=torch.bfloat16)
+                b = b if kn else b.t()
                 for out_tile in OFFLINE_OUT_TILES if flags["out_norm"] else (0,):
-                    for cfg in candidates(a, b, out_tile):
+                    for cfg in candidates(a, b, out_tile, flags["residual"], flags.get("res_rows", 0) > 0):
+                        pair = cfg.kind == PAIR_KIND
+                        if (name in PAIR_ONLY_FLAGS and not pair) or (pair and out_tile not in _PAIR_OUT_TILES):
+                            continue
                         shape = launch_shape(cfg)
-                        kn = flags.get("b_kn", False)
                         consts = _constexprs(cfg, shape, n, kn, out_tile=out_tile,
                                              **{f: v for f, v in flags.items() if f not in ("bias_fp32", "b_kn")})
                         seen.setdefault((cfg, name, consts["OUT_G"], consts["EVEN_N"]),

@@ -55,6 +55,14 @@ def consumer_warps(layout):
 
 
 @constexpr_function
+def column_chunk_layout(layout, width):
+    """The accumulator's wgmma layout narrowed to ``width`` columns (its warps and CTA split kept): how an
+    epilogue reads a chunk of the staging tile back in the rows' own threads."""
+    return gl.NVMMADistributedLayout(version=layout.version, warps_per_cta=layout.warps_per_cta,
+                                     instr_shape=[16, width, 16], cga_layout=layout.cga_layout)
+
+
+@constexpr_function
 def _lanes_on_columns(BN, W):
     """The [W, 8, BN] layout in which each lane owns distinct columns: warps on dim 0; lanes 0-1 on column
     bits 1-2 (as in the wgmma layout), lanes 2-4 on column bits 3 and up while BN has them (else on dim 1,
