@@ -17,7 +17,8 @@ Each CTA of a pair holds its own BM rows of the [2 * BM, BN] tile, so every per-
 no exchange, only the epilogue's extra loads (K / 256 floats per row) and stores (one float per row and tile).
 It prints what compiled (shared memory, the PTX's multicast copies, the epilogue's loads and stores); with
 ``--run`` (a GPU with this triton), checks c and stats against an fp32 reference and times it against the
-plain pair GEMM and cuBLAS's ``mm`` on the same operands (do_bench medians, three rounds).
+plain pair GEMM, cuBLAS's ``mm`` on the same operands and the norm's own pass over c that deferral removes
+(do_bench medians, three rounds).
 
     PYTHONPATH=. .venv-next/bin/python benchmarks/probes/probe_multicast_deferred.py   # compile for sm_90a (CPU)
     python benchmarks/probes/probe_multicast_deferred.py --run --shape 1024x1024   # GPU, triton >= 3.9, fusenorm installed
@@ -88,7 +89,8 @@ def _link_consumer(a_bufs, b_bufs, ready, empty_a, empty_b, c_desc, c_smem, a_st
 def pair_link(a_desc, b_desc, c_desc, a_stats_ptr, bias_ptr, stats_ptr, M, N, K, eps, T_IN: gl.constexpr,
               STAGES: gl.constexpr, num_warps: gl.constexpr):
     """c = bf16(rstd(a) * (a @ b'^T) + bias) and its partial statistics (the module docstring)."""
-    a_bufs, b_bufs, c_smem, ready, empty_a, empty_b = pair.pair_buffers(a_desc, b_desc, c_desc, STAGES)
+    a_bufs, b_bufs, c_bufs, ready, empty_a, empty_b, _ = pair.pair_buffers(a_desc, b_desc, c_desc, STAGES, 1)
+    c_smem = c_bufs.index(0)
     gl.warp_specialize([
         (_link_consumer, (a_bufs, b_bufs, ready, empty_a, empty_b, c_desc, c_smem, a_stats_ptr, bias_ptr,
                           stats_ptr, M, N, K, eps, T_IN, num_warps)),
@@ -150,9 +152,15 @@ def run(shape: str) -> None:
     err_s = ((stats - want_stats).abs() / want_stats.abs().clamp_min(1.0)).max().item()
     print(f"c: max |error| {err_c:.4f} against the fp32 reference (rounded once); stats: max relative error "
           f"{err_s:.2e}; NaN left in c: {bool(c.isnan().any())}, in stats: {bool(stats.isnan().any())}")
+    gamma = torch.randn(n_dim, device="cuda", dtype=torch.bfloat16)
+
+    def norm_pass():  # the pass over c that deferral removes (eager RMSNorm: read c, write norm(c))
+        torch.nn.functional.rms_norm(c, (n_dim,), gamma, EPS)
+
     for rnd in range(3):
         print(f"round {rnd}: link {do_bench(link, rep=100):.3f} ms, plain pair {do_bench(plain, rep=100):.3f} ms, "
-              f"cuBLAS mm {do_bench(lambda: torch.mm(a, b_fold.t()), rep=100):.3f} ms")
+              f"cuBLAS mm {do_bench(lambda: torch.mm(a, b_fold.t()), rep=100):.3f} ms, "
+              f"RMSNorm pass {do_bench(norm_pass, rep=100):.3f} ms")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ this writes the whole mainloop, which needs a stage of B released by *both* CTAs
   on it (the others skip the wait), which is what the multicasting loader needs. On sm_90a Gluon has no
   multicast arrive (``mbarrier.arrive.multicast::cluster`` is sm_100), so this gather is the way to release.
 
-The consumer (one partition of ``num_warps`` warps, the accumulator [2 * BM, BN] sharded like A) runs the same
+The loader, the mainloop and the buffers are the product's now (kernels/hopper/pair_core.py, where the
+deferred GEMMs run them on triton >= 3.9); this probe times them under a plain store. The consumer (one
+partition of ``num_warps`` warps, the accumulator [2 * BM, BN] sharded like A) runs the same
 wgmma loop as gemm_core's cooperative schedule and stores each tile through shared memory by TMA. It prints
 whether it compiles, the shared memory per CTA, and the PTX's multicast copies, cluster arrives and wgmmas.
 Nothing is launched here: ``--run`` (on a GPU with this triton) also times it against cuBLAS and checks the
@@ -40,88 +42,21 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-try:  # the multi-CTA API (triton >= 3.9 here); triton 3.6 has none: the probe says so and stops
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                   warpgroup_mma, warpgroup_mma_wait)
+# The pair mainloop is the product's (kernels/hopper/pair_core.py); the multi-CTA API it needs is triton >= 3.9's
+# (3.6 has none: the probe says so and stops).
+from fusenorm_inductor.kernels.hopper import pair_core  # noqa: E402
+from fusenorm_inductor.kernels.hopper._compat import fence_async_shared, tma  # noqa: E402
+from fusenorm_inductor.kernels.hopper.pair_core import _coords, _loader, _tiles, pair_buffers  # noqa: E402
+from fusenorm_inductor.kernels.hopper.pair_core import pair_acc_layout as acc_layout  # noqa: E402,F401
+from fusenorm_inductor.kernels.hopper.pair_core import pair_mainloop as mainloop  # noqa: E402
 
-    HAVE_MULTI_CTA = hasattr(mbarrier, "allocate_mbarrier")
-except ImportError:
-    HAVE_MULTI_CTA = False
+HAVE_MULTI_CTA = pair_core.unavailable() is None
 
 BM, BN, BK, STAGES, WARPS = 128, 256, 64, 3, 8  # per CTA: cuBLAS's tile for these shapes
 
 
 @gluon.jit
-def _tiles(M, N, BM2: gl.constexpr, BN: gl.constexpr):
-    return gl.cdiv(M, BM2) * gl.cdiv(N, BN)
-
-
-@gluon.jit
-def _coords(t, N, BN: gl.constexpr):
-    """(row block, N tile) of pair tile t: row block major, as gemm_core walks."""
-    n_tiles = gl.cdiv(N, BN)
-    pm = t // n_tiles
-    return pm, t - pm * n_tiles
-
-
-@gluon.jit
-def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty_a, empty_b, M, N, K):
-    BM2: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[0]
-    S: gl.constexpr = a_bufs.type.shape[0]
-    k_tiles = gl.cdiv(K, BK)
-    c = 0
-    for t in range(gl.program_id(0), _tiles(M, N, BM2, BN), gl.num_programs(0)):
-        pm, pn = _coords(t, N, BN)
-        for kk in range(k_tiles):
-            s = c % S
-            phase = ((c // S) & 1) ^ 1  # a fresh barrier has completed the phase before phase 0
-            mbarrier.wait(empty_a.index(s), phase)
-            mbarrier.wait(empty_b.index(s), phase)  # CTA 0 only: both consumers released B's slot
-            bar = ready.index(s)
-            mbarrier.expect(bar, a_desc.nbytes_per_cta + b_desc.nbytes_per_cta)
-            tma.async_load(a_desc, [pm * BM2, kk * BK], bar, a_bufs.index(s))
-            tma.async_load(b_desc, [pn * BN, kk * BK], bar, b_bufs.index(s), multicast=True)
-            c += 1
-
-
-@gluon.jit
-def acc_layout(BN: gl.constexpr, WARPS: gl.constexpr):
-    """The accumulator's layout: wgmma's, [2 * BM, BN] sharded over the pair along M."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BN, 16],
-                                     cga_layout=[[1, 0]])
-
-
-@gluon.jit
-def mainloop(a_bufs, b_bufs, ready, empty_a, empty_b, c, K, layout: gl.constexpr):
-    """One pair tile's accumulator over K, from the stages the loader fills, each stage released as soon as
-    its wgmma retired; returns (acc, the stage counter after it). Every consumer of this probe family shares
-    it, each with its own epilogue."""
-    BM2: gl.constexpr = a_bufs.type.shape[1]
-    BK: gl.constexpr = a_bufs.type.shape[2]
-    BN: gl.constexpr = b_bufs.type.shape[1]
-    S: gl.constexpr = a_bufs.type.shape[0]
-    acc = gl.zeros([BM2, BN], gl.float32, layout)
-    for kk in range(gl.cdiv(K, BK)):
-        s = c % S
-        mbarrier.wait(ready.index(s), (c // S) & 1)
-        acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=kk > 0,
-                            is_async=True)
-        acc = warpgroup_mma_wait(1, deps=(acc,))
-        prev = (c + S - 1) % S  # the previous step's wgmma retired: its stage is free in this CTA
-        mbarrier.arrive(empty_a.index(prev), pred=kk > 0)
-        mbarrier.arrive(empty_b.index(prev), pred=kk > 0)
-        c += 1
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    last = (c + S - 1) % S
-    mbarrier.arrive(empty_a.index(last))
-    mbarrier.arrive(empty_b.index(last))
-    return acc, c
-
-
-@gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty_a, empty_b, c_desc, c_smem, M, N, K, WARPS: gl.constexpr):
+def _consumer(a_bufs, b_bufs, ready, empty_a, empty_b, c_desc, c_bufs, M, N, K, WARPS: gl.constexpr):
     BM2: gl.constexpr = a_bufs.type.shape[1]
     BN: gl.constexpr = b_bufs.type.shape[1]
     layout: gl.constexpr = acc_layout(BN, WARPS)
@@ -129,36 +64,19 @@ def _consumer(a_bufs, b_bufs, ready, empty_a, empty_b, c_desc, c_smem, M, N, K, 
     for t in range(gl.program_id(0), _tiles(M, N, BM2, BN), gl.num_programs(0)):
         pm, pn = _coords(t, N, BN)
         acc, c = mainloop(a_bufs, b_bufs, ready, empty_a, empty_b, c, K, layout)
-        tma.store_wait(0)  # the previous tile's store has left c_smem
-        c_smem.store(acc.to(c_desc.dtype))
+        tma.store_wait(0)  # the previous tile's store has left the staging tile
+        c_bufs.index(0).store(acc.to(c_desc.dtype))
         fence_async_shared()
-        tma.async_store(c_desc, [pm * BM2, pn * BN], c_smem)
+        tma.async_store(c_desc, [pm * BM2, pn * BN], c_bufs.index(0))
     tma.store_wait(0)
-
-
-@gluon.jit
-def pair_buffers(a_desc, b_desc, c_desc, STAGES: gl.constexpr):
-    """The pair kernel's shared memory: STAGES of A and B, C's staging tile, and the stages' barriers
-    (``ready`` and ``empty_a`` per CTA, ``empty_b`` for the pair in CTA 0: the module docstring)."""
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-    ready = mbarrier.allocate_mbarrier(batch=STAGES)
-    empty_a = mbarrier.allocate_mbarrier(batch=STAGES)
-    empty_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout([[0]]))
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty_a.index(i), count=1)
-        mbarrier.init(empty_b.index(i), count=1)
-    return a_bufs, b_bufs, c_smem, ready, empty_a, empty_b
 
 
 @gluon.jit
 def pair_gemm(a_desc, b_desc, c_desc, M, N, K, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """C [M, N] = A [M, K] @ B [N, K]^T, bf16, fp32 accumulation (the module docstring)."""
-    a_bufs, b_bufs, c_smem, ready, empty_a, empty_b = pair_buffers(a_desc, b_desc, c_desc, STAGES)
+    a_bufs, b_bufs, c_bufs, ready, empty_a, empty_b, _ = pair_buffers(a_desc, b_desc, c_desc, STAGES, 1)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, ready, empty_a, empty_b, c_desc, c_smem, M, N, K, num_warps)),
+        (_consumer, (a_bufs, b_bufs, ready, empty_a, empty_b, c_desc, c_bufs, M, N, K, num_warps)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty_a, empty_b, M, N, K)),
     ], [1], [24])
 
