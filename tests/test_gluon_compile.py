@@ -80,9 +80,10 @@ def test_every_path_is_compiled(compiled):
     deferred = [v for v in compiled if v.get("op") == "deferred_mm"]
     # CTA pairs where the compiling triton's Gluon has the multi-CTA API (not 3.6), for the flag sets without
     # a residual, B as [N, K]
-    pairs = [v for v in deferred if v["config"][0] == deferred_mm.PAIR_KIND]
+    pair_kinds = {deferred_mm.PAIR_KIND, deferred_mm.PAIR_PP_KIND}
+    pairs = [v for v in deferred if v["config"][0] in pair_kinds]
     assert bool(pairs) == (not deferred[0]["triton"].startswith("3.6."))
-    assert {v["config"][0] for v in deferred} == {"gl_coop", "gl_pp"} | ({deferred_mm.PAIR_KIND} if pairs else set())
+    assert {v["config"][0] for v in deferred} == {"gl_coop", "gl_pp"} | (pair_kinds if pairs else set())
     assert {v["flags"] for v in deferred} == set(deferred_mm.OFFLINE_FLAGS) - (
         set() if pairs else set(deferred_mm.PAIR_ONLY_FLAGS))
     assert all(not deferred_mm.OFFLINE_FLAGS[v["flags"]]["residual"] and not v["b_kn"] for v in pairs)
@@ -257,9 +258,10 @@ def test_deferred_mm_configs_split_their_statistics_tiles():
 
 
 def test_deferred_mm_offers_the_cta_pair_where_it_can_run():
-    """The CTA-pair tile (pair_core) leads ``deferred_mm``'s candidates for rows wider than 128 where this
-    triton's Gluon has the multi-CTA API (never on 3.6), with B an nn.Linear weight and no residual; it is
-    never offered with a residual, row-scaled residual terms, a row-major B or rows of 128."""
+    """The CTA-pair tiles (pair_core: one consumer, 128 x 256 per CTA; two in ping-pong, 128 x 128 each) lead
+    ``deferred_mm``'s candidates for rows wider than 128 where this triton's Gluon has the multi-CTA API (never
+    on 3.6), with B an nn.Linear weight and no residual; they are never offered with a residual, row-scaled
+    residual terms, a row-major B or rows of 128."""
     from fusenorm_inductor.kernels.hopper import deferred_mm as hopper
     from fusenorm_inductor.kernels.hopper import pair_core
 
@@ -270,13 +272,16 @@ def test_deferred_mm_offers_the_cta_pair_where_it_can_run():
         return [c.kind for c in hopper.candidates(a, b, out_tile, **kw)]
 
     here = pair_core.unavailable() is None
-    assert (kinds(weight.t())[0] == hopper.PAIR_KIND) == here
-    assert (kinds(weight.t(), 0)[0] == hopper.PAIR_KIND) == here
-    assert hopper.PAIR_KIND not in kinds(weight.t(), residual=True) + kinds(weight.t(), res_rows=True)
-    assert hopper.PAIR_KIND not in kinds(weight.t().contiguous()) + kinds(weight[:128].t())
+    pairs = [hopper.PAIR_KIND, hopper.PAIR_PP_KIND]
+    assert (kinds(weight.t())[:2] == pairs) == here and (kinds(weight.t(), 0)[:2] == pairs) == here
+    others = (kinds(weight.t(), residual=True) + kinds(weight.t(), res_rows=True) + kinds(weight.t().contiguous())
+              + kinds(weight[:128].t()))
+    assert not set(pairs) & set(others)
     pair = hopper.fit_config(hopper.PAIR_KIND, 128, 256, 64, 4, 8, 1)
     assert hopper.launch_shape(pair).ctas == 2 and hopper._blocks(pair, False) == ([256, 64], [256, 64],
                                                                                   [256, 256], [256, 256])
+    pp = hopper.launch_shape(hopper.fit_config(hopper.PAIR_PP_KIND, 128, 128, 64, 5, 4, 2))
+    assert (pp.ctas, pp.ncons, pp.num_warps) == (2, 2, 4)
     with pytest.raises(ValueError, match="residual"):
         hopper._constexprs(pair, hopper.launch_shape(pair), 1024, False, bias=True, residual=True, a_norm=hopper.LN,
                            out_norm=hopper.LN, out_tile=128)

@@ -242,8 +242,9 @@ def test_row_scaled_residual(dtype, n, rows, b_t, gluon_calls):
 
 @pytest.mark.parametrize("norm", [RMS, LN], ids=["rms", "ln"])
 def test_cta_pair_tower_link(norm, gluon_calls):
-    """Where this triton has CTA pairs (pair_core: triton >= 3.9): they lead the candidates of an MLP tower's
-    link (the norm applied, the next one's statistics written, bias, no residual) and run it right at
+    """Where this triton has CTA pairs (pair_core: triton >= 3.9): both pair tiles (one consumer; two in
+    ping-pong) lead the candidates of an MLP tower's link (the norm applied, the next one's statistics
+    written, bias, no residual) and run it right at
     M = 1000 (a partial last pair), N = 1000 (a partial last tile; LayerNorm's last statistics group
     straddles N), K = 1000. The other run_all tests take the pair too wherever it is offered."""
     from fusenorm_inductor.kernels.hopper import deferred_mm as hopper
@@ -252,10 +253,12 @@ def test_cta_pair_tower_link(norm, gluon_calls):
     if pair_core.unavailable() is not None:
         pytest.skip(pair_core.unavailable())
     args = make_args(1000, 1000, 1000, BF16, norm, norm, residual=False)
-    cands = candidates(args)
-    assert cands[0].kind == hopper.PAIR_KIND
-    check(args, op.deferred_mm_tuned(args, config=cands[0]))
-    assert gluon_calls == [cands[0]]
+    pairs = candidates(args)[:2]
+    assert [c.kind for c in pairs] == [hopper.PAIR_KIND, hopper.PAIR_PP_KIND]
+    expected = oracle(args)
+    for cfg in pairs:
+        check(args, op.deferred_mm_tuned(args, config=cfg), expected)
+    assert gluon_calls == pairs
 
 
 def test_plan_relaunches_on_new_tensors(gluon_calls):

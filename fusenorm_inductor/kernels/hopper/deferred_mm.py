@@ -297,8 +297,8 @@ def deferred_pair_kernel(a_desc, b_desc, c_desc, res_desc, bias_ptr, colsum_ptr,
     3.6 lacks."""
     eargs = (c_desc, res_desc, bias_ptr, colsum_ptr, a_stats_ptr, stats_ptr, K, a_tile, t_out, eps, res_rows_ptr)
     FLAGS: gl.constexpr = _flags(HAS_BIAS, HAS_RES, A_NORM, OUT_NORM, OUT_G, EVEN_N, RES_ROWS)
-    pair_ws(a_desc, b_desc, c_desc, M, N, K, _deferred_prologue, _deferred_epilogue, eargs, FLAGS, NUM_STAGES,
-            LOAD_REGS, num_warps)
+    pair_ws(a_desc, b_desc, c_desc, M, N, K, _deferred_prologue, _deferred_epilogue, eargs, FLAGS, NUM_STAGES, NCONS,
+            LOAD_REGS, MMA_REGS, num_warps)
 
 
 @constexpr_function
@@ -342,7 +342,8 @@ def candidates(a: Tensor, b: Tensor, out_tile: int, residual: bool = False, res_
                fit_config("gl_coop", 128, 128, bk, 6, 4, 1)]
         if (bk == 64 and not residual and not res_rows and b_layout(a, b) == "nk"
                 and pair_core.unavailable() is None):
-            out.insert(0, fit_config(PAIR_KIND, 128, MAX_TILE_N, bk, 4, 8, 1))
+            out[:0] = [fit_config(PAIR_KIND, 128, MAX_TILE_N, bk, 4, 8, 1),
+                       fit_config(PAIR_PP_KIND, 128, 128, bk, 5, 4, 2)]
     else:
         bn = pow2_tile(n)
         out = [fit_config("gl_pp", 128, bn, bk, 6, 4, 2), fit_config("gl_coop", 128, bn, bk, 6, 4, 1)]
@@ -368,7 +369,8 @@ def unsupported(a: Tensor, b: Tensor, residual: Optional[Tensor], out_norm: int,
     return storage_problem(a, b)
 
 
-PAIR_KIND = "gl_pair"  # the CTA-pair tile: block_m rows per CTA, 2 * block_m per pair
+# CTA-pair tiles (block_m rows per CTA, 2 * block_m per pair): one consumer, or two in ping-pong
+PAIR_KIND, PAIR_PP_KIND = "gl_pair", "gl_pair_pp"
 
 
 class Launch(NamedTuple):
@@ -379,9 +381,10 @@ class Launch(NamedTuple):
 
 
 def launch_shape(config) -> Launch:
-    ncons = 2 if config.kind == "gl_pp" else 1
+    ncons = 2 if config.kind in ("gl_pp", PAIR_PP_KIND) else 1
     warps = 4 if ncons == 2 else config.warps
-    return Launch(ncons, warps, L.maxnreg(L.padded_warps(1) + warps * ncons), 2 if config.kind == PAIR_KIND else 1)
+    ctas = 2 if config.kind in (PAIR_KIND, PAIR_PP_KIND) else 1
+    return Launch(ncons, warps, L.maxnreg(L.padded_warps(1) + warps * ncons), ctas)
 
 
 def _kernel(shape: Launch):
@@ -592,7 +595,7 @@ def offline_variants() -> list[dict]:
                 b = b if kn else b.t()
                 for out_tile in OFFLINE_OUT_TILES if flags["out_norm"] else (0,):
                     for cfg in candidates(a, b, out_tile, flags["residual"], flags.get("res_rows", 0) > 0):
-                        pair = cfg.kind == PAIR_KIND
+                        pair = launch_shape(cfg).ctas > 1
                         if (name in PAIR_ONLY_FLAGS and not pair) or (pair and out_tile not in _PAIR_OUT_TILES):
                             continue
                         shape = launch_shape(cfg)

@@ -10,11 +10,14 @@ CTAs (each loads its BM rows), B [BN, BK] loaded once by CTA 0 and multicast int
 - ``empty_b[s]``: one barrier for the pair, in CTA 0 (a broadcast CGA layout): both consumers arrive on it and
   only CTA 0's loader waits on it (sm_90a has no multicast arrive, so the release is gathered there).
 
-One consumer partition of ``num_warps`` warps owns a pair tile at a time (B as an nn.Linear weight, [N, K]);
-its accumulator [2 * BM, BN] is sharded like A, so every row lives in one CTA and an epilogue's row sums
-need no exchange. Tiles are walked persistently, row block major, as ``gemm_core`` does. The epilogues are
-``gemm_core``'s (the same ``PROLOGUE`` / ``EPILOGUE`` interface, with ``BM`` the pair tile's 2 * BM rows and
-the layouts carrying the CTA split); one staging tile per CTA; no ``STATS`` (row sums of A).
+Consumers, as in ``gemm_core`` (B as an nn.Linear weight, [N, K]): ``NCONS = 1``, one partition of
+``num_warps`` warps owns a pair tile at a time ("cooperative"), or ``NCONS = 2``, two 4-warp partitions take
+alternate tiles and an order barrier pair serializes their mainloops, so one's epilogue runs under the
+other's MMAs ("ping-pong"). An accumulator [2 * BM, BN] is sharded like A, so every row lives in one CTA and
+an epilogue's row sums need no exchange. Tiles are walked persistently, row block major, as ``gemm_core``
+does. The epilogues are ``gemm_core``'s (the same ``PROLOGUE`` / ``EPILOGUE`` interface, with ``BM`` the pair
+tile's 2 * BM rows and the layouts carrying the CTA split); one staging tile per consumer and CTA; no
+``STATS`` (row sums of A).
 """
 
 from __future__ import annotations
@@ -111,21 +114,32 @@ def pair_mainloop(a_bufs, b_bufs, ready, empty_a, empty_b, c, K, layout: gl.cons
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty_a, empty_b, c_bufs, epi_bar, M, N, K, PROLOGUE: gl.constexpr,
-              EPILOGUE: gl.constexpr, eargs, FLAGS: gl.constexpr, WARPS: gl.constexpr):
+def _consumer(a_bufs, b_bufs, ready, empty_a, empty_b, order, c_bufs, epi_bar, M, N, K, PROLOGUE: gl.constexpr,
+              EPILOGUE: gl.constexpr, eargs, FLAGS: gl.constexpr, CID: gl.constexpr, NCONS: gl.constexpr,
+              WARPS: gl.constexpr):
     BM2: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
     layout: gl.constexpr = pair_acc_layout(BN, WARPS)
     rl: gl.constexpr = gl.SliceLayout(1, layout)
     none = (gl.zeros([BM2], gl.float32, layout=rl), gl.zeros([BM2], gl.float32, layout=rl),
             gl.zeros([BM2], gl.float32, layout=rl))  # no STATS: gemm_core's row sums of A, never read
-    c = 0
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    k_tiles = gl.cdiv(K, BK)
     j = 0
-    for t in range(gl.program_id(0), _tiles(M, N, BM2, BN), gl.num_programs(0)):
+    for t in range(pid + CID * nprog, _tiles(M, N, BM2, BN), NCONS * nprog):
         pm, pn = _coords(t, N, BN)
-        PROLOGUE(pm * BM2, pn * BN, c_bufs, 0, epi_bar.index(0), eargs, FLAGS)
-        acc, c = pair_mainloop(a_bufs, b_bufs, ready, empty_a, empty_b, c, K, layout)
-        EPILOGUE(acc, pm * BM2, pn * BN, pn, c_bufs, 0, epi_bar.index(0), j, eargs, FLAGS, M, N, layout, none)
+        # before the MMA turn (ping-pong): the epilogue's operand has the other consumer's mainloop to land too
+        PROLOGUE(pm * BM2, pn * BN, c_bufs, CID, epi_bar.index(CID), eargs, FLAGS)
+        if NCONS > 1:
+            # take the MMA turn: consumer 0 first, then strictly alternating
+            mbarrier.wait(order.index(CID), (j + 1 - CID) & 1)
+        # the loader fills the program's tiles in order, k_tiles stages each
+        acc, _ = pair_mainloop(a_bufs, b_bufs, ready, empty_a, empty_b, ((t - pid) // nprog) * k_tiles, K, layout)
+        if NCONS > 1:
+            mbarrier.arrive(order.index(1 - CID))
+        EPILOGUE(acc, pm * BM2, pn * BN, pn, c_bufs, CID, epi_bar.index(CID), j, eargs, FLAGS, M, N, layout, none)
         j += 1
     tma.store_wait(0)
 
@@ -133,30 +147,48 @@ def _consumer(a_bufs, b_bufs, ready, empty_a, empty_b, c_bufs, epi_bar, M, N, K,
 @gluon.jit
 def pair_buffers(a_desc, b_desc, c_desc, STAGES: gl.constexpr, NUM_OUT: gl.constexpr):
     """The pair kernel's shared memory: STAGES of A and B, NUM_OUT staging tiles of c, the stages' barriers
-    (``ready`` and ``empty_a`` per CTA, ``empty_b`` for the pair in CTA 0) and the epilogue's barrier."""
+    (``ready`` and ``empty_a`` per CTA, ``empty_b`` for the pair in CTA 0) and an epilogue barrier per
+    staging tile."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [NUM_OUT] + c_desc.block_type.shape, c_desc.layout)
     ready = mbarrier.allocate_mbarrier(batch=STAGES)
     empty_a = mbarrier.allocate_mbarrier(batch=STAGES)
     empty_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout([[0]]))
-    epi_bar = mbarrier.allocate_mbarrier(batch=1)
+    epi_bar = mbarrier.allocate_mbarrier(batch=NUM_OUT)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty_a.index(i), count=1)
         mbarrier.init(empty_b.index(i), count=1)
-    mbarrier.init(epi_bar.index(0), count=1)
+    for i in gl.static_range(NUM_OUT):
+        mbarrier.init(epi_bar.index(i), count=1)
     return a_bufs, b_bufs, c_bufs, ready, empty_a, empty_b, epi_bar
 
 
 @gluon.jit
 def pair_ws(a_desc, b_desc, out_desc, M, N, K, PROLOGUE: gl.constexpr, EPILOGUE: gl.constexpr, eargs,
-            FLAGS: gl.constexpr, NUM_STAGES: gl.constexpr, LOAD_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """Allocate the ring and the staging tile and run the partitions (module docstring). ``out_desc``: the
-    staging tile's shape, dtype and layout ([2 * BM, BN], split over the pair)."""
-    a_bufs, b_bufs, c_bufs, ready, empty_a, empty_b, epi_bar = pair_buffers(a_desc, b_desc, out_desc, NUM_STAGES, 1)
-    gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, ready, empty_a, empty_b, c_bufs, epi_bar, M, N, K, PROLOGUE, EPILOGUE, eargs,
-                     FLAGS, num_warps)),
-        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty_a, empty_b, M, N, K)),
-    ], [1], [LOAD_REGS])
+            FLAGS: gl.constexpr, NUM_STAGES: gl.constexpr, NCONS: gl.constexpr, LOAD_REGS: gl.constexpr,
+            MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Allocate the ring and the staging tiles and run the partitions (module docstring). ``out_desc``: the
+    staging tiles' shape, dtype and layout ([2 * BM, BN], split over the pair)."""
+    a_bufs, b_bufs, c_bufs, ready, empty_a, empty_b, epi_bar = pair_buffers(a_desc, b_desc, out_desc, NUM_STAGES,
+                                                                            NCONS)
+    order = mbarrier.allocate_mbarrier(batch=2)
+    for i in gl.static_range(2):
+        mbarrier.init(order.index(i), count=1)
+    # Partition arguments written out in each call, as gemm_core does (constexprs must stay compile-time).
+    if NCONS == 1:
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, ready, empty_a, empty_b, order, c_bufs, epi_bar, M, N, K, PROLOGUE,
+                         EPILOGUE, eargs, FLAGS, 0, 1, num_warps)),
+            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty_a, empty_b, M, N, K)),
+        ], [1], [LOAD_REGS])
+    else:
+        gl.static_assert(num_warps == 4, "ping-pong consumers are one warpgroup each")
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, ready, empty_a, empty_b, order, c_bufs, epi_bar, M, N, K, PROLOGUE,
+                         EPILOGUE, eargs, FLAGS, 0, 2, 4)),
+            (_consumer, (a_bufs, b_bufs, ready, empty_a, empty_b, order, c_bufs, epi_bar, M, N, K, PROLOGUE,
+                         EPILOGUE, eargs, FLAGS, 1, 2, 4)),
+            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty_a, empty_b, M, N, K)),
+        ], [4, 1], [MMA_REGS, LOAD_REGS])
