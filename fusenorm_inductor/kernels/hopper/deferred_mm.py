@@ -28,7 +28,8 @@ input's statistics come as partials from its producer); the epilogue (``_deferre
 (out_tile >= N): then the single group is the row, masked to N, as ``partial_stats`` counts it.
 
 No row depends on another tile: any N, no clusters, the tile schedule of the core (cooperative or ping-pong
-consumers). Launcher: ``unsupported`` says why an input cannot take this path, ``candidates`` lists the
+consumers); on tritons whose Gluon has the multi-CTA API also on CTA pairs that load B once for both
+(``deferred_pair_kernel``, pair_core.py: the same epilogue, no residual, B [N, K]). Launcher: ``unsupported`` says why an input cannot take this path, ``candidates`` lists the
 configurations to time, ``DeferredPlan`` compiles one and launches it with the per-call fast path (launch.py).
 """
 
