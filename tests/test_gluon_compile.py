@@ -68,7 +68,9 @@ def test_every_path_is_compiled(compiled):
     assert gdpa == {(k, d, a) for k in ("fwd", "dq", "dkdv", "fna", "fnb") for d in (64, 128) for a in range(5)}, gdpa
     compiled = _gemm(compiled)
     kinds = {v["config"][0] for v in compiled}
-    assert kinds == {"gl_coop", "gl_pp", "gl_cluster", "gl_rows"}, kinds
+    # the deferred GEMMs' CTA pairs where the compiling triton's Gluon has the multi-CTA API (not 3.6)
+    pair_kinds = set() if compiled[0]["triton"].startswith("3.6.") else {"gl_pair", "gl_pair_pp"}
+    assert kinds == {"gl_coop", "gl_pp", "gl_cluster", "gl_rows"} | pair_kinds, kinds
     clusters = {v["n"] for v in compiled if v["config"][0] == "gl_cluster"}
     assert {320, 1000, 2048, 4096} <= clusters, clusters
     assert any(v["gemm_only"] for v in compiled) and any(v["save_normed"] for v in compiled)
