@@ -284,8 +284,8 @@ def test_deferred_mm_offers_the_cta_pair_where_it_can_run():
               + kinds(weight[:128].t()))
     assert not set(pairs) & set(others)
     pair = hopper.fit_config(hopper.PAIR_KIND, 128, 256, 64, 4, 8, 1)
-    assert hopper.launch_shape(pair).ctas == 2 and hopper._blocks(pair, False) == ([256, 64], [256, 64],
-                                                                                  [256, 256], [256, 256])
+    assert hopper.launch_shape(pair).ctas == 2 and hopper._blocks(pair, hopper.launch_shape(pair), False) == (
+        [256, 64], [256, 64], [256, 256], [256, 256])
     pp = hopper.launch_shape(hopper.fit_config(hopper.PAIR_PP_KIND, 128, 128, 64, 5, 4, 2))
     assert (pp.ctas, pp.ncons, pp.num_warps) == (2, 2, 4)
     with pytest.raises(ValueError, match="residual"):

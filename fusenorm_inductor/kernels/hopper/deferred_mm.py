@@ -372,6 +372,7 @@ def unsupported(a: Tensor, b: Tensor, residual: Optional[Tensor], out_norm: int,
 
 # CTA-pair tiles (block_m rows per CTA, 2 * block_m per pair): one consumer, or two in ping-pong
 PAIR_KIND, PAIR_PP_KIND = "gl_pair", "gl_pair_pp"
+PAIR_KINDS = (PAIR_KIND, PAIR_PP_KIND)
 
 
 class Launch(NamedTuple):
@@ -384,7 +385,7 @@ class Launch(NamedTuple):
 def launch_shape(config) -> Launch:
     ncons = 2 if config.kind in ("gl_pp", PAIR_PP_KIND) else 1
     warps = 4 if ncons == 2 else config.warps
-    ctas = 2 if config.kind in (PAIR_KIND, PAIR_PP_KIND) else 1
+    ctas = 2 if config.kind in PAIR_KINDS else 1
     return Launch(ncons, warps, L.maxnreg(L.padded_warps(1) + warps * ncons), ctas)
 
 
@@ -392,16 +393,16 @@ def _kernel(shape: Launch):
     return deferred_pair_kernel if shape.ctas > 1 else deferred_mm_kernel
 
 
-def _blocks(config, kn: bool) -> tuple:
+def _blocks(config, shape: Launch, kn: bool) -> tuple:
     """TMA boxes of a, b, c and the residual (whole program tiles: a pair's are 2 * block_m rows)."""
-    bm, bn, bk = config.block_m * launch_shape(config).ctas, config.block_n, config.block_k
+    bm, bn, bk = config.block_m * shape.ctas, config.block_n, config.block_k
     return [bm, bk], [bk, bn] if kn else [bn, bk], [bm, bn], [bm, bn]
 
 
-def _splits(config) -> tuple:
+def _splits(shape: Launch) -> tuple:
     """The CTA split of each descriptor's box (``_blocks``): None on one CTA; a pair splits a, c and the
     residual along M and loads b whole into both."""
-    if launch_shape(config).ctas == 1:
+    if shape.ctas == 1:
         return (None,) * 4
     return pair_core.SPLIT_M, pair_core.BROADCAST, pair_core.SPLIT_M, pair_core.SPLIT_M
 
@@ -460,7 +461,7 @@ class DeferredPlan:
         self.eps = float(a_eps) if a_norm != NONE else 0.0
         self.shape = shape = launch_shape(config)
         self.kn = b_layout(a, b_fold) == "kn"
-        self.blocks, self.splits = _blocks(config, self.kn), _splits(config)
+        self.blocks, self.splits = _blocks(config, shape, self.kn), _splits(shape)
         bm, bn = self.blocks[2]
         consts = _constexprs(config, shape, n, self.kn, bias=bias_fold is not None, residual=residual is not None,
                              a_norm=self.a_norm, out_norm=self.out_norm, out_tile=out_tile, res_rows=self.res_rows)
@@ -532,7 +533,7 @@ def compile_offline(config, n: int, k: int, *, a_norm: int, out_norm: int, out_t
     sizes. ``bias_fp32``: bias' is fp32 where a norm bias folds into it, else the linear's own bias (bf16)."""
     shape = launch_shape(config)
     t_out = _t_out(n, out_norm, out_tile)
-    descs = [descriptor_type(blk, split=split) for blk, split in zip(_blocks(config, b_kn), _splits(config))]
+    descs = [descriptor_type(blk, split=split) for blk, split in zip(_blocks(config, shape, b_kn), _splits(shape))]
     values = dict(a_desc=descs[0], b_desc=descs[1], c_desc=descs[2], res_desc=descs[3],
                   bias_ptr="*fp32" if (bias and bias_fp32) or (not bias and nan_pad(config, n, out_norm, out_tile))
                   else "*bf16",
@@ -552,9 +553,6 @@ OFFLINE_NS = (64, 256, 1000, 4096)  # one tile; two 128 / one 256 tiles; ragged;
 OFFLINE_KS = (40, 256, 1000)  # K = 40: BK 32
 OFFLINE_OUT_TILES = (32, 128, 256)
 PAIR_ONLY_FLAGS = ("prod_ln_tower", "chain_ln_tower", "chain_rms_tower")
-# The pair's statistics tiles compiled offline: the one the passes write for rows wider than 128 (tuning's
-# stats_tile), and none.
-_PAIR_OUT_TILES = (0, 128)
 # the chain's ends and middle: a producer (a plain GEMM writing statistics, with bias and residual), a consumer
 # (the norm applied, nothing written: bias' fp32 from a folded norm bias), a link (both), and the plain GEMM
 OFFLINE_FLAGS = {
@@ -596,10 +594,9 @@ def offline_variants() -> list[dict]:
                 b = b if kn else b.t()
                 for out_tile in OFFLINE_OUT_TILES if flags["out_norm"] else (0,):
                     for cfg in candidates(a, b, out_tile, flags["residual"], flags.get("res_rows", 0) > 0):
-                        pair = launch_shape(cfg).ctas > 1
-                        if (name in PAIR_ONLY_FLAGS and not pair) or (pair and out_tile not in _PAIR_OUT_TILES):
-                            continue
                         shape = launch_shape(cfg)
+                        if name in PAIR_ONLY_FLAGS and shape.ctas == 1:
+                            continue
                         consts = _constexprs(cfg, shape, n, kn, out_tile=out_tile,
                                              **{f: v for f, v in flags.items() if f not in ("bias_fp32", "b_kn")})
                         seen.setdefault((cfg, name, consts["OUT_G"], consts["EVEN_N"]),
