@@ -263,6 +263,33 @@ def test_deferred_mm_configs_split_their_statistics_tiles():
     assert "not on CUDA" in hopper.unsupported(a, b, None, hopper.LN, 32)
 
 
+def test_deferred_mm_offers_register_statistics_on_ping_pong_tiles():
+    """The output statistics summed in registers (``stats_regs``) come as extra candidates after the others:
+    ping-pong tiles only, for statistics tiles of 128 columns where N is a multiple of 128 (narrower groups
+    and groups straddling N spill there); the kernel's REG_STATS is set only where statistics are written."""
+    from fusenorm_inductor.kernels.hopper import deferred_mm as hopper
+
+    a = torch.empty((1000, 1024), device="meta", dtype=torch.bfloat16)
+
+    def regs(n, out_tile):
+        b = torch.empty((n, 1024), device="meta", dtype=torch.bfloat16).t()
+        cands = hopper.candidates(a, b, out_tile)
+        flags = [c.stats_regs for c in cands]
+        assert flags == sorted(flags) and len(set(cands)) == len(cands)  # after the others, each once
+        return sorted(c.kind for c in cands if c.stats_regs)
+
+    pp = sorted(["gl_pp"] + ([hopper.PAIR_PP_KIND] if hopper.pair_core.unavailable() is None else []))
+    assert regs(4096, 128) == regs(1024, 128) == pp
+    assert regs(1000, 128) == regs(4096, 64) == regs(4096, 256) == regs(4096, 0) == regs(64, 128) == []
+    assert regs(128, 128) == ["gl_pp"]  # one tile holds the row
+    cfg = hopper.fit_config("gl_pp", 128, 128, 64, 5, 4, 2)._replace(stats_regs=True)
+    assert cfg.label().endswith(" rs")
+    shape = hopper.launch_shape(cfg)
+    kw = dict(bias=True, residual=False, a_norm=hopper.LN, out_tile=128)
+    assert hopper._constexprs(cfg, shape, 1024, False, out_norm=hopper.LN, **kw)["REG_STATS"]
+    assert not hopper._constexprs(cfg, shape, 1024, False, out_norm=hopper.NONE, **kw)["REG_STATS"]
+
+
 def test_deferred_mm_offers_the_cta_pair_where_it_can_run():
     """The CTA-pair tiles (pair_core: one consumer, 128 x 256 per CTA; two in ping-pong, 128 x 128 each) lead
     ``deferred_mm``'s candidates for rows wider than 128 where this triton's Gluon has the multi-CTA API (never

@@ -105,11 +105,12 @@ BAD_ENTRIES = {
     "time-nan": ({**_entry(), "t_fused_ms": float("nan")}, "'t_fused_ms' is nan"),
     "config-str": ({**_entry(), "config": "row"}, "not a list"),
     "config-short": ({**_entry(), "config": ["row", 64, 64]}, "has 3 fields"),
-    "config-long": ({**_entry(), "config": [*C1, 1]}, "has 9 fields"),
+    "config-long": ({**_entry(), "config": [*C1, 1]}, "has 10 fields"),
     "config-types": ({**_entry(), "config": ["row", "64", 64, 64, 3, 4]}, "block_m = '64'"),
     "config-zero": ({**_entry(), "config": ["row", 64, 0, 64, 3, 4]}, "block_n = 0"),
     "config-kind": ({**_entry(), "config": [7, 64, 64, 64, 3, 4]}, "kind = 7"),
     "config-prefetch": ({**_entry(), "config": ["row", 64, 64, 64, 3, 4, 1, "yes"]}, "prefetch = 'yes'"),
+    "config-stats-regs": ({**_entry(), "config": ["gl_pp", 128, 128, 64, 5, 4, 1, False, 1]}, "stats_regs = 1"),
 }
 
 

@@ -76,16 +76,22 @@ def main() -> None:
         t_ln = do_bench(lambda: torch.nn.functional.layer_norm(y, (n,), gamma, gamma), rep=200)
         for role in roles:
             call = role_args(role, a, w, bias)
-            times = {}
+            times, outputs = {}, {}
             for cfg in hopper.candidates(a, call[1], call[11]):
                 made: list = []
                 try:
                     kernels.launch(call, cfg, lambda s, d, dev: torch.empty(s, dtype=d, device=dev), made)
+                    outputs[cfg.label()] = made[0](*call)
                     torch.cuda.synchronize()
                     times[cfg.label()] = do_bench(lambda: made[0](*call), rep=200)
                 except Exception as e:  # noqa: BLE001 - a candidate that cannot run says why
                     times[cfg.label()] = f"{type(e).__name__}: {str(e)[:200]}"
-            rows.append(dict(shape=shape, role=role, t_addmm_ms=t_mm, t_layer_norm_ms=t_ln, candidates=times))
+            # every candidate writes the same c and statistics (up to the statistics' order of summation)
+            ref = next(iter(outputs.values()), None)
+            diff = {label: [((o.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-6)).item()
+                            for o, r in zip(out, ref)] for label, out in outputs.items()}
+            rows.append(dict(shape=shape, role=role, t_addmm_ms=t_mm, t_layer_norm_ms=t_ln, candidates=times,
+                             max_rel_diff_c_stats=diff))
             print(rows[-1], flush=True)
     common.write_json(args.out, {"meta": {**common.environment(), "script": "benchmarks/probes/"
                                           "probe_deferred_candidates.py", "rows_m": M}, "rows": rows})

@@ -722,7 +722,7 @@ def config_of(entry: dict):
     for name, v in zip(fields, cfg):
         if name == "kind":
             ok = isinstance(v, str) and bool(v)
-        elif name == "prefetch":
+        elif name in ("prefetch", "stats_regs"):
             ok = isinstance(v, bool)
         else:
             ok = isinstance(v, int) and not isinstance(v, bool) and v > 0

@@ -22,7 +22,9 @@ input's statistics come as partials from its producer); the epilogue (``_deferre
    columns and the sum of squared deviations from it (columns >= N left out: two passes within the group,
    exact at |mean| >> std). They are read back from the staging tile c was just stored through, a chunk
    of at most 64 columns at a time (``_group_stats``): in registers, the tile's statistics next to the
-   norm's [BN] vectors spilled at 256-wide tiles. Where a group straddles N (LayerNorm), the launcher pads
+   norm's [BN] vectors spilled at 256-wide tiles. A ``stats_regs`` config sums them in registers instead
+   (``_register_stats``, REG_STATS: the ping-pong tiles' candidate where it compiles clean; neither form is
+   faster everywhere, so the dispatch times both). Where a group straddles N (LayerNorm), the launcher pads
    the bias with NaN past N and the statistics leave those columns out by their value (``nan_pad``).
 ``OUT_G`` is ``out_tile`` where it divides BN, or BN where the whole row is one tile and one statistics tile
 (out_tile >= N): then the single group is the row, masked to N, as ``partial_stats`` counts it.
@@ -75,7 +77,10 @@ FLAG_NORM_MASK = gl.constexpr(3)
 # bias with NaN past N, which the statistics mask by value (``_group_stats``).
 FLAG_EVEN_N = gl.constexpr(64)
 FLAG_ROWS_SHIFT = gl.constexpr(7)  # RES_ROWS (0, 1 or 3 per-row vectors of the residual's terms): bits 7-8
-FLAG_G_SHIFT = gl.constexpr(9)
+# The output statistics summed in registers from the values as stored (the CTA-pair tiles), not read back from
+# the staging tile (``_register_stats``): bit 9
+FLAG_REG_STATS = gl.constexpr(512)
+FLAG_G_SHIFT = gl.constexpr(10)
 
 NONE, RMS, LN = 0, 1, 2  # the norm codes of ops/deferred_norm.py
 # The narrowest statistics group: the narrowest wgmma-layout chunk the statistics read (8 columns).
@@ -223,6 +228,37 @@ def _group_stats(buf, off_m, off_n, M, N, t_out, stats_ptr, G: gl.constexpr, OUT
 
 
 @gluon.jit
+def _register_stats(h, off_m, off_n, M, N, t_out, stats_ptr, G: gl.constexpr, OUT_NORM: gl.constexpr,
+                    EVEN_N: gl.constexpr, dtype: gl.constexpr):
+    """``_group_stats`` from registers: h (fp32, before rounding) rounded to the stored dtype, viewed as
+    [BM, BN / G, G] (a reshape, no data moved) and reduced over its groups. Past N the values are 0 (RMSNorm)
+    or NaN (LayerNorm, not EVEN_N: the NaN-padded bias), left out by value."""
+    BM: gl.constexpr = h.shape[0]
+    T: gl.constexpr = h.shape[1] // G
+    x = gl.reshape(h.to(dtype).to(gl.float32), [BM, T, G])
+    if OUT_NORM == 1:
+        s = gl.sum(x * x, axis=2)
+    else:
+        if EVEN_N:
+            s = gl.sum(x, axis=2) / G
+        else:
+            s = gl.sum(gl.where(x == x, x, 0.0), axis=2)
+    sl: gl.constexpr = s.type.layout
+    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, sl))
+    t = off_n // G + gl.arange(0, T, layout=gl.SliceLayout(0, sl))  # a group wholly past N has no tile
+    p = stats_ptr + gl.expand_dims(rows, 1) * t_out + gl.expand_dims(t, 0)
+    ok = gl.expand_dims(rows < M, 1) & gl.expand_dims(t < t_out, 0)
+    if OUT_NORM == 2:
+        if not EVEN_N:
+            s = s / gl.expand_dims(gl.minimum(N - t * G, G).to(gl.float32), 0)
+        d = x - gl.expand_dims(s, 2)
+        if not EVEN_N:
+            d = gl.where(d == d, d, 0.0)
+        gl.store(p + M * t_out, gl.sum(d * d, axis=2), mask=ok)
+    gl.store(p, s, mask=ok)
+
+
+@gluon.jit
 def _deferred_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_bar, it, eargs,
                        FLAGS: gl.constexpr, M, N, layout: gl.constexpr, stats):
     c_desc = eargs[0]
@@ -241,6 +277,7 @@ def _deferred_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_ba
     OUT_NORM: gl.constexpr = (FLAGS >> FLAG_OUT_SHIFT) & FLAG_NORM_MASK
     EVEN_N: gl.constexpr = (FLAGS & FLAG_EVEN_N) != 0
     RES_ROWS: gl.constexpr = (FLAGS >> FLAG_ROWS_SHIFT) & 3
+    REG_STATS: gl.constexpr = (FLAGS & FLAG_REG_STATS) != 0
     G: gl.constexpr = FLAGS >> FLAG_G_SHIFT
     BM: gl.constexpr = c_bufs.type.shape[1]
     BN: gl.constexpr = c_bufs.type.shape[2]
@@ -269,19 +306,22 @@ def _deferred_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_ba
     # normalizes exactly what it reads
     stage_store(h, c_desc, buf, off_m, off_n)
     if OUT_NORM != 0:
-        _group_stats(buf, off_m, off_n, M, N, t_out, stats_ptr, G, OUT_NORM, EVEN_N, layout)
-        thread_barrier()  # every thread has read the tile before the next tile's residual or c lands in it
+        if REG_STATS:
+            _register_stats(h, off_m, off_n, M, N, t_out, stats_ptr, G, OUT_NORM, EVEN_N, c_desc.dtype)
+        else:
+            _group_stats(buf, off_m, off_n, M, N, t_out, stats_ptr, G, OUT_NORM, EVEN_N, layout)
+            thread_barrier()  # every thread has read the tile before the next tile's residual or c lands in it
 
 
 @gluon.jit
 def deferred_mm_kernel(a_desc, b_desc, c_desc, res_desc, bias_ptr, colsum_ptr, a_stats_ptr, stats_ptr, res_rows_ptr,
                        M, N, K, a_tile, t_out, eps,
                        HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, A_NORM: gl.constexpr, OUT_NORM: gl.constexpr,
-                       OUT_G: gl.constexpr, EVEN_N: gl.constexpr, RES_ROWS: gl.constexpr, NUM_STAGES: gl.constexpr,
-                       NCONS: gl.constexpr,
+                       OUT_G: gl.constexpr, EVEN_N: gl.constexpr, RES_ROWS: gl.constexpr, REG_STATS: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, NCONS: gl.constexpr,
                        B_KN: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
     eargs = (c_desc, res_desc, bias_ptr, colsum_ptr, a_stats_ptr, stats_ptr, K, a_tile, t_out, eps, res_rows_ptr)
-    FLAGS: gl.constexpr = _flags(HAS_BIAS, HAS_RES, A_NORM, OUT_NORM, OUT_G, EVEN_N, RES_ROWS)
+    FLAGS: gl.constexpr = _flags(HAS_BIAS, HAS_RES, A_NORM, OUT_NORM, OUT_G, EVEN_N, RES_ROWS, REG_STATS)
     gemm_ws(a_desc, b_desc, c_desc, M, N, K, _deferred_prologue, _deferred_epilogue, eargs, FLAGS, 0, 1, False,
             NUM_STAGES, 1, 1, NCONS, B_KN, 1, LOAD_REGS, MMA_REGS, num_warps)
 
@@ -290,24 +330,24 @@ def deferred_mm_kernel(a_desc, b_desc, c_desc, res_desc, bias_ptr, colsum_ptr, a
 def deferred_pair_kernel(a_desc, b_desc, c_desc, res_desc, bias_ptr, colsum_ptr, a_stats_ptr, stats_ptr,
                          res_rows_ptr, M, N, K, a_tile, t_out, eps,
                          HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, A_NORM: gl.constexpr, OUT_NORM: gl.constexpr,
-                         OUT_G: gl.constexpr, EVEN_N: gl.constexpr, RES_ROWS: gl.constexpr, NUM_STAGES: gl.constexpr,
-                         NCONS: gl.constexpr,
+                         OUT_G: gl.constexpr, EVEN_N: gl.constexpr, RES_ROWS: gl.constexpr, REG_STATS: gl.constexpr,
+                         NUM_STAGES: gl.constexpr, NCONS: gl.constexpr,
                          B_KN: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
     """``deferred_mm_kernel`` on CTA pairs sharing B (pair_core.py; no residual, B [N, K]), the same parameters.
     A kernel of its own: triton 3.6's JIT resolves every function a kernel names, and pair_core names API that
     3.6 lacks."""
     eargs = (c_desc, res_desc, bias_ptr, colsum_ptr, a_stats_ptr, stats_ptr, K, a_tile, t_out, eps, res_rows_ptr)
-    FLAGS: gl.constexpr = _flags(HAS_BIAS, HAS_RES, A_NORM, OUT_NORM, OUT_G, EVEN_N, RES_ROWS)
+    FLAGS: gl.constexpr = _flags(HAS_BIAS, HAS_RES, A_NORM, OUT_NORM, OUT_G, EVEN_N, RES_ROWS, REG_STATS)
     pair_ws(a_desc, b_desc, c_desc, M, N, K, _deferred_prologue, _deferred_epilogue, eargs, FLAGS, NUM_STAGES, NCONS,
             LOAD_REGS, MMA_REGS, num_warps)
 
 
 @constexpr_function
-def _flags(HAS_BIAS, HAS_RES, A_NORM, OUT_NORM, OUT_G, EVEN_N, RES_ROWS):
+def _flags(HAS_BIAS, HAS_RES, A_NORM, OUT_NORM, OUT_G, EVEN_N, RES_ROWS, REG_STATS):
     """The epilogue's FLAGS integer of the kernels' switches (the FLAG_* bits; here plain ints, their values)."""
     return (HAS_BIAS * FLAG_HAS_BIAS.value + HAS_RES * FLAG_HAS_RES.value + (A_NORM << FLAG_A_SHIFT.value)
             + (OUT_NORM << FLAG_OUT_SHIFT.value) + EVEN_N * FLAG_EVEN_N.value + (RES_ROWS << FLAG_ROWS_SHIFT.value)
-            + (OUT_G << FLAG_G_SHIFT.value))
+            + REG_STATS * FLAG_REG_STATS.value + (OUT_G << FLAG_G_SHIFT.value))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -326,6 +366,9 @@ def out_group(block_n: int, n: int, out_norm: int, out_tile: int) -> Optional[in
     if out_tile >= MIN_OUT_G and block_n % out_tile == 0:
         return out_tile
     return None
+
+
+STATS_REGS_TILE = 128  # the statistics tile with a ``stats_regs`` candidate (the graph passes' tile)
 
 
 def candidates(a: Tensor, b: Tensor, out_tile: int, residual: bool = False, res_rows: bool = False) -> list:
@@ -349,7 +392,14 @@ def candidates(a: Tensor, b: Tensor, out_tile: int, residual: bool = False, res_
         bn = pow2_tile(n)
         out = [fit_config("gl_pp", 128, bn, bk, 6, 4, 2), fit_config("gl_coop", 128, bn, bk, 6, 4, 1)]
     norm = RMS if out_tile else NONE
-    return [c for c in out if c is not None and out_group(c.block_n, n, norm, out_tile) is not None]
+    out = [c for c in out if c is not None and out_group(c.block_n, n, norm, out_tile) is not None]
+    # The output statistics summed in registers: faster on some ping-pong tiles, slower on others and on the
+    # 256-wide ones (docs/performance.md), so timed as a candidate of its own, for the passes' statistics
+    # tile of 128 where N is a multiple of it: narrower groups, or LayerNorm's masking where a group
+    # straddles N, spill in it
+    regs = [c._replace(stats_regs=True) for c in out
+            if c.kind in ("gl_pp", PAIR_PP_KIND) and out_tile == STATS_REGS_TILE and n % out_tile == 0]
+    return out + regs
 
 
 def unsupported(a: Tensor, b: Tensor, residual: Optional[Tensor], out_norm: int, out_tile: int) -> Optional[str]:
@@ -418,13 +468,15 @@ def _constexprs(config, shape: Launch, n: int, b_kn: bool, *, bias: bool, residu
     # it is False there, the bias is the NaN-padded one (``nan_pad``), present even without a bias
     even = out_norm == LN and n % g == 0
     return dict(HAS_BIAS=bias or nan_pad(config, n, out_norm, out_tile), HAS_RES=residual, A_NORM=a_norm,
-                OUT_NORM=out_norm, OUT_G=g, EVEN_N=even, RES_ROWS=res_rows, NUM_STAGES=config.stages,
+                OUT_NORM=out_norm, OUT_G=g, EVEN_N=even, RES_ROWS=res_rows,
+                REG_STATS=config.stats_regs and out_norm != NONE, NUM_STAGES=config.stages,
                 NCONS=shape.ncons, B_KN=b_kn, LOAD_REGS=LOAD_REGS, MMA_REGS=MMA_REGS)
 
 
 _PARAMS = ("a_desc", "b_desc", "c_desc", "res_desc", "bias_ptr", "colsum_ptr", "a_stats_ptr", "stats_ptr",
            "res_rows_ptr", "M", "N", "K", "a_tile", "t_out", "eps", "HAS_BIAS", "HAS_RES", "A_NORM", "OUT_NORM",
-           "OUT_G", "EVEN_N", "RES_ROWS", "NUM_STAGES", "NCONS", "B_KN", "LOAD_REGS", "MMA_REGS", "num_warps")
+           "OUT_G", "EVEN_N", "RES_ROWS", "REG_STATS", "NUM_STAGES", "NCONS", "B_KN", "LOAD_REGS", "MMA_REGS",
+           "num_warps")
 _N_RUNTIME = 15
 _N_DESC = 4
 

@@ -166,6 +166,8 @@ class GemmConfig(NamedTuple):
     progs_per_sm: persistent programs per SM (2 lets one program's epilogue overlap another's loads).
     prefetch: (backward) load the saved tensor's tile before the K loop, so its latency hides under the GEMM
               (costs registers across the loop).
+    stats_regs: (deferred GEMM) the output's partial statistics summed in registers from the values as stored,
+                instead of read back from the staging tile (no second pass over it; more registers live).
     """
 
     kind: str
@@ -176,11 +178,14 @@ class GemmConfig(NamedTuple):
     warps: int
     progs_per_sm: int = 1
     prefetch: bool = False
+    stats_regs: bool = False
 
     def label(self) -> str:
         per_sm = f" x{self.progs_per_sm}" if self.progs_per_sm != 1 else ""
         pf = " pf" if self.prefetch else ""
-        return f"{self.kind} {self.block_m}x{self.block_n}x{self.block_k} s{self.stages} w{self.warps}{per_sm}{pf}"
+        rs = " rs" if self.stats_regs else ""
+        return (f"{self.kind} {self.block_m}x{self.block_n}x{self.block_k} s{self.stages} w{self.warps}"
+                f"{per_sm}{pf}{rs}")
 
 
 SMEM_BUDGET = 220 * 1024  # of the H100/H200's 227 KiB per block, leaving room for reductions
