@@ -188,6 +188,19 @@ def test_chain_link(dtype, n, norm, residual, gluon_calls):
     run_all(args, gluon_calls)
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["", "res"])
+@pytest.mark.parametrize("role", ["producer", "link"])
+@pytest.mark.parametrize("norm", [RMS, LN], ids=["rms", "ln"])
+@pytest.mark.parametrize("n", [256, 512])
+def test_register_statistics(n, norm, role, residual, gluon_calls):
+    """The candidates that sum the output statistics in registers (``stats_regs``: the ping-pong tiles,
+    statistics tiles of 128 columns, N <= 512) among the others, as a producer and as a link, odd M."""
+    a_norm = norm if role == "link" else NONE
+    args = make_args(257, 1000, n, BF16, a_norm, norm, a_tile=128, out_tile=128, residual=residual)
+    assert any(c.stats_regs for c in candidates(args))
+    run_all(args, gluon_calls)
+
+
 @pytest.mark.parametrize("norm", [RMS, LN], ids=["rms", "ln"])
 def test_two_link_chain_is_the_unfused_norm(norm, gluon_calls):
     """linear -> norm -> linear as two deferred_mm calls (the first writes the statistics the second merges)

@@ -8,16 +8,18 @@ per-site decision (and its match report) only shows for the shapes a model has:
 - ``prod_ln``: a producer (bias, LayerNorm statistics of its output in tiles of 128 columns);
 - ``link_ln`` / ``link_rms``: a tower's link (the previous norm applied from its partial statistics, the fold of
   the norm's affine cached per weight version, bias, the next norm's statistics written);
-- ``cons_ln``: a consumer (the norm applied, no statistics written).
+- ``cons_ln`` / ``cons_rms``: a consumer (the norm applied, no statistics written);
+- ``prod_rms``: a producer of RMSNorm statistics (sums of squares: one pass where LayerNorm's takes two);
+- ``plain``: the same kernel with neither (bias only): what the epilogues' work is measured from.
 
 Each candidate runs as compiled graphs call the op: the launch plan made once (``kernels.deferred.launch``),
 then timed through it (do_bench medians, the L2 flushed). M = 262144, bf16, B an nn.Linear weight.
 
     python benchmarks/probes/probe_deferred_candidates.py --shapes 1024x1024,2048x2048 --out /tmp/c.json
 
-Results (an H100, triton 3.9.0 carried beside torch 2.11, 2026-12-06):
-benchmarks/results/deferred_mm_candidates_triton39_h100.json; findings in docs/performance.md, "Deferred
-normalization".
+Results (an H100, torch 2.11, 2026-12-06): benchmarks/results/deferred_mm_candidates_triton39_h100.json
+(triton 3.9.0 carried), deferred_mm_candidates_rs_h100.json and deferred_mm_candidates_roles_h100.json
+(triton 3.6.0); findings in docs/performance.md, "Deferred normalization".
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 
-ROLES = ("prod_ln", "link_ln", "link_rms", "cons_ln")
+ROLES = ("prod_ln", "link_ln", "link_rms", "cons_ln", "cons_rms", "prod_rms", "plain")
 M = 262144
 
 
@@ -42,7 +44,8 @@ def role_args(role: str, a, w, bias):
     from fusenorm_inductor.ops import deferred_norm as op
 
     a_norm, out_norm = {"prod_ln": (op.NONE, op.LN), "link_ln": (op.LN, op.LN), "link_rms": (op.RMS, op.RMS),
-                        "cons_ln": (op.LN, op.NONE)}[role]
+                        "cons_ln": (op.LN, op.NONE), "cons_rms": (op.RMS, op.NONE), "prod_rms": (op.NONE, op.RMS),
+                        "plain": (op.NONE, op.NONE)}[role]
     k = a.shape[1]
     nw = (1 + 0.5 * torch.randn(k, device=a.device)).to(a.dtype) if a_norm else None
     nb = (0.5 * torch.randn(k, device=a.device)).to(a.dtype) if a_norm == op.LN else None
@@ -89,7 +92,7 @@ def main() -> None:
             # every candidate writes the same c and statistics (up to the statistics' order of summation)
             ref = next(iter(outputs.values()), None)
             diff = {label: [((o.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-6)).item()
-                            for o, r in zip(out, ref)] for label, out in outputs.items()}
+                            for o, r in zip(out, ref) if r.numel()] for label, out in outputs.items()}
             rows.append(dict(shape=shape, role=role, t_addmm_ms=t_mm, t_layer_norm_ms=t_ln, candidates=times,
                              max_rel_diff_c_stats=diff))
             print(rows[-1], flush=True)

@@ -23,8 +23,8 @@ input's statistics come as partials from its producer); the epilogue (``_deferre
    exact at |mean| >> std). They are read back from the staging tile c was just stored through, a chunk
    of at most 64 columns at a time (``_group_stats``): in registers, the tile's statistics next to the
    norm's [BN] vectors spilled at 256-wide tiles. A ``stats_regs`` config sums them in registers instead
-   (``_register_stats``, REG_STATS: the ping-pong tiles' candidate where it compiles clean; neither form is
-   faster everywhere, so the dispatch times both). Where a group straddles N (LayerNorm), the launcher pads
+   (``_register_stats``, REG_STATS: a ping-pong tiles' candidate up to N = 512, where it was faster in
+   links; neither form is faster everywhere, so the dispatch times both). Where a group straddles N (LayerNorm), the launcher pads
    the bias with NaN past N and the statistics leave those columns out by their value (``nan_pad``).
 ``OUT_G`` is ``out_tile`` where it divides BN, or BN where the whole row is one tile and one statistics tile
 (out_tile >= N): then the single group is the row, masked to N, as ``partial_stats`` counts it.
@@ -369,6 +369,7 @@ def out_group(block_n: int, n: int, out_norm: int, out_tile: int) -> Optional[in
 
 
 STATS_REGS_TILE = 128  # the statistics tile with a ``stats_regs`` candidate (the graph passes' tile)
+STATS_REGS_MAX_N = 512  # and the widest N (measured faster there only)
 
 
 def candidates(a: Tensor, b: Tensor, out_tile: int, residual: bool = False, res_rows: bool = False) -> list:
@@ -393,12 +394,13 @@ def candidates(a: Tensor, b: Tensor, out_tile: int, residual: bool = False, res_
         out = [fit_config("gl_pp", 128, bn, bk, 6, 4, 2), fit_config("gl_coop", 128, bn, bk, 6, 4, 1)]
     norm = RMS if out_tile else NONE
     out = [c for c in out if c is not None and out_group(c.block_n, n, norm, out_tile) is not None]
-    # The output statistics summed in registers: faster on some ping-pong tiles, slower on others and on the
-    # 256-wide ones (docs/performance.md), so timed as a candidate of its own, for the passes' statistics
-    # tile of 128 where N is a multiple of it: narrower groups, or LayerNorm's masking where a group
-    # straddles N, spill in it
+    # The output statistics summed in registers: faster in the ping-pong tiles' links up to N = 512, within
+    # noise or slower elsewhere and on the 256-wide tiles (docs/performance.md), so timed as a candidate of
+    # its own (one more compile per site) only there, for the passes' statistics tile of 128 where N is a
+    # multiple of it: narrower groups, or LayerNorm's masking where a group straddles N, spill in it
     regs = [c._replace(stats_regs=True) for c in out
-            if c.kind in ("gl_pp", PAIR_PP_KIND) and out_tile == STATS_REGS_TILE and n % out_tile == 0]
+            if c.kind in ("gl_pp", PAIR_PP_KIND) and out_tile == STATS_REGS_TILE and n % out_tile == 0
+            and n <= STATS_REGS_MAX_N]
     return out + regs
 
 
