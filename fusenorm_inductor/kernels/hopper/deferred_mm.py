@@ -24,15 +24,17 @@ input's statistics come as partials from its producer); the epilogue (``_deferre
    of at most 64 columns at a time (``_group_stats``): in registers, the tile's statistics next to the
    norm's [BN] vectors spilled at 256-wide tiles. A ``stats_regs`` config sums them in registers instead
    (``_register_stats``, REG_STATS: a ping-pong tiles' candidate up to N = 512, where it was faster in
-   links; neither form is faster everywhere, so the dispatch times both). Where a group straddles N (LayerNorm), the launcher pads
-   the bias with NaN past N and the statistics leave those columns out by their value (``nan_pad``).
+   links; neither form is faster everywhere, so the dispatch times both). Where a group straddles N
+   (LayerNorm), the launcher pads the bias with NaN past N and the statistics leave those columns out by
+   their value (``nan_pad``).
 ``OUT_G`` is ``out_tile`` where it divides BN, or BN where the whole row is one tile and one statistics tile
 (out_tile >= N): then the single group is the row, masked to N, as ``partial_stats`` counts it.
 
 No row depends on another tile: any N, no clusters, the tile schedule of the core (cooperative or ping-pong
 consumers); on tritons whose Gluon has the multi-CTA API also on CTA pairs that load B once for both
-(``deferred_pair_kernel``, pair_core.py: the same epilogue, no residual, B [N, K]). Launcher: ``unsupported`` says why an input cannot take this path, ``candidates`` lists the
-configurations to time, ``DeferredPlan`` compiles one and launches it with the per-call fast path (launch.py).
+(``deferred_pair_kernel``, pair_core.py: the same epilogue, no residual, B [N, K]). Launcher: ``unsupported``
+says why an input cannot take this path, ``candidates`` lists the configurations to time, ``DeferredPlan``
+compiles one and launches it with the per-call fast path (launch.py).
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ FLAG_NORM_MASK = gl.constexpr(3)
 # bias with NaN past N, which the statistics mask by value (``_group_stats``).
 FLAG_EVEN_N = gl.constexpr(64)
 FLAG_ROWS_SHIFT = gl.constexpr(7)  # RES_ROWS (0, 1 or 3 per-row vectors of the residual's terms): bits 7-8
-# The output statistics summed in registers from the values as stored (the CTA-pair tiles), not read back from
-# the staging tile (``_register_stats``): bit 9
+# The output statistics summed in registers from the values as stored (``stats_regs`` configs), not read back
+# from the staging tile (``_register_stats``): bit 9
 FLAG_REG_STATS = gl.constexpr(512)
 FLAG_G_SHIFT = gl.constexpr(10)
 
