@@ -8,7 +8,7 @@ exactly one launch per role, in the order given (roles as in ``probe_deferred_ca
     ncu --profile-from-start off -k regex:deferred --section SpeedOfLight --section WarpStateStats \\
         python benchmarks/probes/profile_deferred_once.py --roles plain,prod_ln,link_ln --kind gl_pp
 
-Figures (an H100, triton 3.6, 2026-12-06): in the meta of
+Figures (an H100, triton 3.6, 2026-12-06, from an uncommitted script that launched the same): in the meta of
 benchmarks/results/deferred_mm_candidates_roles_h100.json; findings in docs/performance.md, "Output
 statistics summed in registers".
 """
