@@ -467,12 +467,17 @@ def choices(p: argparse.ArgumentParser, flag: str, value: str, allowed: tuple) -
     return items
 
 
+def doc_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser whose description is the first paragraph of a script's docstring, its epilog the rest."""
+    head, _, rest = doc.partition("\n\n")
+    return argparse.ArgumentParser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def kernel_probe_args(doc: str, argv: list[str] | None = None) -> argparse.Namespace:
     """The command line of the kernel probes run under Nsight Compute (probes/probe_bwd_epilogue.py,
     probes/probe_norm_mm_gluon.py): one point (K, N, norm), one configuration by its label, M rows, iterations for a
     profiler, or ``--time``. The parser's description is the first paragraph of ``doc``, its epilog the rest."""
-    head, _, rest = doc.partition("\n\n")
-    p = argparse.ArgumentParser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = doc_parser(doc)
     p.add_argument("--K", type=int, required=True)
     p.add_argument("--N", type=int, required=True)
     p.add_argument("--norm", choices=["layer", "rms"], required=True)

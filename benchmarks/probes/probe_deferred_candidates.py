@@ -24,7 +24,6 @@ Results (an H100, torch 2.11, 2026-12-06): benchmarks/results/deferred_mm_candid
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -54,13 +53,28 @@ def role_args(role: str, a, w, bias):
             128 if out_norm else 0, True, None)
 
 
-def main() -> None:
+def operands(k: int, n: int):
+    """(a [M, K], an nn.Linear weight w [N, K], its bias), bf16 on CUDA, the same for a shape every run."""
+    torch.manual_seed(0)
+    a = torch.randn(M, k, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
+    return a, w, torch.randn(n, device="cuda").to(torch.bfloat16)
+
+
+def plan(call: tuple, cfg):
+    """The function that launches candidate ``cfg`` on the op's arguments ``call`` through its launch plan, as
+    compiled graphs call the op (made, and launched once, here)."""
     from fusenorm_inductor.kernels import deferred as kernels
+
+    made: list = []
+    kernels.launch(call, cfg, lambda s, d, dev: torch.empty(s, dtype=d, device=dev), made)
+    return made[0]
+
+
+def main() -> None:
     from fusenorm_inductor.kernels.hopper import deferred_mm as hopper
 
-    doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.doc_parser(__doc__)
     p.add_argument("--shapes", default="1024x1024,2048x2048,512x512,4096x4096", help="KxN,KxN,...")
     p.add_argument("--roles", default="prod_ln,link_ln,link_rms", help=f"comma list of {', '.join(ROLES)}")
     p.add_argument("--out", required=True, help="JSON to write")
@@ -69,10 +83,7 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         k, n = (int(v) for v in shape.split("x"))
-        torch.manual_seed(0)
-        a = torch.randn(M, k, device="cuda").to(torch.bfloat16)
-        w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
-        bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+        a, w, bias = operands(k, n)
         t_mm = do_bench(lambda: torch.addmm(bias, a, w.t()), rep=200)
         y = torch.empty(M, n, device="cuda", dtype=torch.bfloat16)
         gamma = torch.ones(n, device="cuda", dtype=torch.bfloat16)
@@ -81,12 +92,11 @@ def main() -> None:
             call = role_args(role, a, w, bias)
             times, outputs = {}, {}
             for cfg in hopper.candidates(a, call[1], call[11]):
-                made: list = []
                 try:
-                    kernels.launch(call, cfg, lambda s, d, dev: torch.empty(s, dtype=d, device=dev), made)
-                    outputs[cfg.label()] = made[0](*call)
+                    again = plan(call, cfg)
+                    outputs[cfg.label()] = again(*call)
                     torch.cuda.synchronize()
-                    times[cfg.label()] = do_bench(lambda: made[0](*call), rep=200)
+                    times[cfg.label()] = do_bench(lambda: again(*call), rep=200)
                 except Exception as e:  # noqa: BLE001 - a candidate that cannot run says why
                     times[cfg.label()] = f"{type(e).__name__}: {str(e)[:200]}"
             # every candidate writes the same c and statistics (up to the statistics' order of summation)

@@ -15,8 +15,6 @@ statistics summed in registers".
 
 from __future__ import annotations
 
-import argparse
-import math
 import os
 import sys
 
@@ -25,16 +23,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from probe_deferred_candidates import M, ROLES, role_args  # noqa: E402
+from probe_deferred_candidates import ROLES, operands, plan, role_args  # noqa: E402
 
 
 def main() -> None:
-    from fusenorm_inductor.kernels import deferred as kernels
     from fusenorm_inductor.kernels.hopper import deferred_mm as hopper
 
-    doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.doc_parser(__doc__)
     p.add_argument("--shape", default="1024x1024", help="KxN")
     p.add_argument("--roles", default="plain,prod_ln,link_ln", help=f"comma list of {', '.join(ROLES)}")
     p.add_argument("--kind", default="gl_pp", help="the candidate's kind (its first config of that kind)")
@@ -43,10 +38,7 @@ def main() -> None:
     args = p.parse_args()
     roles = common.choices(p, "--roles", args.roles, ROLES)
     k, n = (int(v) for v in args.shape.split("x"))
-    torch.manual_seed(0)
-    a = torch.randn(M, k, device="cuda").to(torch.bfloat16)
-    w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
-    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    a, w, bias = operands(k, n)
     runs = []
     for role in roles:
         call = role_args(role, a, w, bias)
@@ -55,11 +47,10 @@ def main() -> None:
                 if c.kind == args.kind and c.stats_regs == stats_regs]
         if not cfgs:
             p.error(f"{role}: no candidate of kind {args.kind!r} (stats_regs={stats_regs}) at {args.shape}")
-        made: list = []
-        kernels.launch(call, cfgs[0], lambda s, d, dev: torch.empty(s, dtype=d, device=dev), made)
+        again = plan(call, cfgs[0])
         for _ in range(3):
-            made[0](*call)
-        runs.append((role, cfgs[0], made[0], call))
+            again(*call)
+        runs.append((role, cfgs[0], again, call))
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
     for _, _, again, call in runs:

@@ -401,7 +401,7 @@ def candidates(a: Tensor, b: Tensor, out_tile: int, residual: bool = False, res_
     # its own (one more compile per site) only there, for the passes' statistics tile of 128 where N is a
     # multiple of it: narrower groups, or LayerNorm's masking where a group straddles N, spill in it
     regs = [c._replace(stats_regs=True) for c in out
-            if c.kind in ("gl_pp", PAIR_PP_KIND) and out_tile == STATS_REGS_TILE and n % out_tile == 0
+            if c.kind in PING_PONG_KINDS and out_tile == STATS_REGS_TILE and n % out_tile == 0
             and n <= STATS_REGS_MAX_N]
     return out + regs
 
@@ -427,6 +427,7 @@ def unsupported(a: Tensor, b: Tensor, residual: Optional[Tensor], out_norm: int,
 # CTA-pair tiles (block_m rows per CTA, 2 * block_m per pair): one consumer, or two in ping-pong
 PAIR_KIND, PAIR_PP_KIND = "gl_pair", "gl_pair_pp"
 PAIR_KINDS = (PAIR_KIND, PAIR_PP_KIND)
+PING_PONG_KINDS = ("gl_pp", PAIR_PP_KIND)  # two consumers of 4 warps (launch_shape)
 
 
 class Launch(NamedTuple):
@@ -437,7 +438,7 @@ class Launch(NamedTuple):
 
 
 def launch_shape(config) -> Launch:
-    ncons = 2 if config.kind in ("gl_pp", PAIR_PP_KIND) else 1
+    ncons = 2 if config.kind in PING_PONG_KINDS else 1
     warps = 4 if ncons == 2 else config.warps
     ctas = 2 if config.kind in PAIR_KINDS else 1
     return Launch(ncons, warps, L.maxnreg(L.padded_warps(1) + warps * ncons), ctas)
