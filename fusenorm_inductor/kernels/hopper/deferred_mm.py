@@ -87,6 +87,9 @@ FLAG_G_SHIFT = gl.constexpr(10)
 NONE, RMS, LN = 0, 1, 2  # the norm codes of ops/deferred_norm.py
 # The narrowest statistics group: the narrowest wgmma-layout chunk the statistics read (8 columns).
 MIN_OUT_G = 8
+# The input's partial statistics read per load in ``_input_norm`` (8 tiles: a row of K <= 1024 in one load, a
+# few registers a thread next to the accumulator).
+STAT_CHUNK = gl.constexpr(8)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -124,36 +127,49 @@ def _wall(epi_bar, it, HAS_RES: gl.constexpr):
 
 
 @gluon.jit
-def _input_norm(acc, cols, rows, rmask, colsum_ptr, a_stats_ptr, M, K, a_tile, eps, A_NORM: gl.constexpr):
-    """acc with the deferred norm of a's rows applied, from their partial statistics (``merge_stats``). The
-    per-row vectors live in the accumulator's row layout (a row's quad of lanes loads the same words)."""
+def _input_norm(acc, cols, rows, rmask, colsum_ptr, a_stats_ptr, M, K, a_tile, eps, A_NORM: gl.constexpr,
+                layout: gl.constexpr):
+    """acc with the deferred norm of a's rows applied, from their partial statistics (``merge_stats``).
+    The partials are read STAT_CHUNK tiles per load, [BM, STAT_CHUNK] in the rows' own threads (the
+    accumulator's layout narrowed), and reduced across the row's lanes: one load's latency per chunk where a
+    load per tile left the tile's epilogue waiting on them one after another, longer than a ping-pong
+    partner's mainloop at K = 1024."""
+    TC: gl.constexpr = STAT_CHUNK
+    cl: gl.constexpr = column_chunk_layout(layout, TC)
     kf = K.to(gl.float32)
     t_in = gl.cdiv(K, a_tile)
-    base = a_stats_ptr + rows * t_in
-    zero = gl.zeros_like(rows.to(gl.float32))
+    r2 = gl.expand_dims(gl.convert_layout(rows, gl.SliceLayout(1, cl)), 1)
+    m2d = gl.expand_dims(gl.convert_layout(rmask, gl.SliceLayout(1, cl)), 1)
+    tc = gl.expand_dims(gl.arange(0, TC, layout=gl.SliceLayout(0, cl)), 0)
+    base = a_stats_ptr + r2 * t_in
+    zero = gl.zeros([acc.shape[0]], gl.float32, layout=gl.SliceLayout(1, cl))
     if A_NORM == 1:
         ss = zero
-        for t in range(t_in):
-            ss += gl.load(base + t, mask=rmask, other=0.0)
+        for t0 in range(0, t_in, TC):
+            ss += gl.sum(gl.load(base + t0 + tc, mask=m2d & (t0 + tc < t_in), other=0.0), axis=1)
         rstd = gl.rsqrt(ss / kf + eps)
-        acc = acc * gl.expand_dims(rstd, 1)
+        acc = acc * gl.expand_dims(gl.convert_layout(rstd, gl.SliceLayout(1, layout)), 1)
     else:
-        # Chan's merge in merge_stats' order: the weighted mean first, then the tiles' M2 and the spread of
-        # their means around it (two passes over the tiny [T_in] partials rather than a pairwise running merge)
-        wsum = zero
-        for t in range(t_in):
-            w = gl.minimum(a_tile, K - t * a_tile).to(gl.float32)
-            wsum += gl.load(base + t, mask=rmask, other=0.0) * w
-        mean = wsum / kf
+        # Chan's merge as merge_stats: the weighted mean first, then the tiles' M2 and the spread of their
+        # means around it (a tile past t_in weighs 0)
         q = M * t_in  # LayerNorm's second statistic: M2 of each tile
+        wsum = zero
         m2 = zero
+        for t0 in range(0, t_in, TC):
+            t = t0 + tc
+            ok = m2d & (t < t_in)
+            w = gl.maximum(gl.minimum(a_tile, K - t * a_tile), 0).to(gl.float32)
+            wsum += gl.sum(gl.load(base + t, mask=ok, other=0.0) * w, axis=1)
+            m2 += gl.sum(gl.load(base + q + t, mask=ok, other=0.0), axis=1)
+        mean = wsum / kf
         spread = zero
-        for t in range(t_in):
-            w = gl.minimum(a_tile, K - t * a_tile).to(gl.float32)
-            d = gl.load(base + t, mask=rmask, other=0.0) - mean
-            m2 += gl.load(base + q + t, mask=rmask, other=0.0)
-            spread += d * d * w
-        rstd = gl.rsqrt((m2 + spread) / kf + eps)
+        for t0 in range(0, t_in, TC):
+            t = t0 + tc
+            w = gl.maximum(gl.minimum(a_tile, K - t * a_tile), 0).to(gl.float32)
+            d = gl.load(base + t, mask=m2d & (t < t_in), other=0.0) - gl.expand_dims(mean, 1)
+            spread += gl.sum(d * d * w, axis=1)
+        rstd = gl.convert_layout(gl.rsqrt((m2 + spread) / kf + eps), gl.SliceLayout(1, layout))
+        mean = gl.convert_layout(mean, gl.SliceLayout(1, layout))
         acc = (acc - gl.expand_dims(mean, 1) * load_vector(colsum_ptr, cols)) * gl.expand_dims(rstd, 1)
     return acc
 
@@ -286,7 +302,7 @@ def _deferred_epilogue(acc, off_m, off_n, pn, c_bufs, buf0: gl.constexpr, epi_ba
     rows, cols, rmask, cmask = tile_index(off_m, off_n, M, N, BM, BN, layout)
     h = acc
     if A_NORM != 0:
-        h = _input_norm(h, cols, rows, rmask, colsum_ptr, a_stats_ptr, M, K, a_tile, eps, A_NORM)
+        h = _input_norm(h, cols, rows, rmask, colsum_ptr, a_stats_ptr, M, K, a_tile, eps, A_NORM, layout)
     buf = c_bufs.index(buf0)
     if not HAS_RES:
         tma.store_wait(0)  # the staging tile's previous store has left (with a residual the prologue waited)
