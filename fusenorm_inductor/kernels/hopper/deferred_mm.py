@@ -549,8 +549,12 @@ class DeferredPlan:
         refuse_spills(compiled, config.label())
         self.compiled = compiled
         self.fast = L.fast_launcher(compiled, _N_DESC, shape.num_warps, a.device)
-        # persistent programs (a pair's two CTAs are one program), at most one per tile
-        self.grid = min(-(-m // bm) * -(-n // bn), num_sms(a.device) // shape.ctas)
+        # persistent programs (a cluster's CTAs are one program), at most one per tile; clusters as many as
+        # can be resident at once (GPCs of uneven size leave SMs a cluster of four cannot use: one cluster
+        # more than fit would run its whole share of tiles as a second wave)
+        tiles = -(-m // bm) * -(-n // bn)
+        self.grid = (L.cluster_grid(compiled, shape.ctas, tiles, a.device) if shape.ctas > 1
+                     else min(tiles, num_sms(a.device)))
 
     def _runtime(self, a, b_fold, bias_fold, colsum, residual, a_stats, c, stats, res_rows, descriptors: bool
                  ) -> tuple:
