@@ -171,7 +171,8 @@ def test_statistics_tile_widths(dtype, out_norm, out_tile, gluon_calls):
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 def test_consumer(dtype, k, n, a_norm, case, gluon_calls):
     """The deferred norm applied from partial statistics of a (a_tile = 96: K = 1000 leaves a short last
-    statistics tile, K = 40 a single one), with the norm's affine folded, bias and residual, or bare."""
+    statistics tile and 11 tiles, more than one chunked load of the epilogue's; K = 40 a single one), with
+    the norm's affine folded, bias and residual, or bare."""
     full = case == "full"
     args = make_args(1000, k, n, dtype, a_norm, NONE, a_tile=96, bias=full, residual=full, affine=full,
                      b_t=full)
