@@ -127,6 +127,12 @@ def _wall(epi_bar, it, HAS_RES: gl.constexpr):
 
 
 @gluon.jit
+def _tile_weights(t, K, a_tile):
+    """The column counts of statistics tiles t of a row of K columns (0 for a tile past the row's end)."""
+    return gl.maximum(gl.minimum(a_tile, K - t * a_tile), 0).to(gl.float32)
+
+
+@gluon.jit
 def _input_norm(acc, cols, rows, rmask, colsum_ptr, a_stats_ptr, M, K, a_tile, eps, A_NORM: gl.constexpr,
                 layout: gl.constexpr):
     """acc with the deferred norm of a's rows applied, from their partial statistics (``merge_stats``).
@@ -158,16 +164,14 @@ def _input_norm(acc, cols, rows, rmask, colsum_ptr, a_stats_ptr, M, K, a_tile, e
         for t0 in range(0, t_in, TC):
             t = t0 + tc
             ok = m2d & (t < t_in)
-            w = gl.maximum(gl.minimum(a_tile, K - t * a_tile), 0).to(gl.float32)
-            wsum += gl.sum(gl.load(base + t, mask=ok, other=0.0) * w, axis=1)
+            wsum += gl.sum(gl.load(base + t, mask=ok, other=0.0) * _tile_weights(t, K, a_tile), axis=1)
             m2 += gl.sum(gl.load(base + q + t, mask=ok, other=0.0), axis=1)
         mean = wsum / kf
         spread = zero
         for t0 in range(0, t_in, TC):
             t = t0 + tc
-            w = gl.maximum(gl.minimum(a_tile, K - t * a_tile), 0).to(gl.float32)
             d = gl.load(base + t, mask=m2d & (t < t_in), other=0.0) - gl.expand_dims(mean, 1)
-            spread += gl.sum(d * d * w, axis=1)
+            spread += gl.sum(d * d * _tile_weights(t, K, a_tile), axis=1)
         rstd = gl.convert_layout(gl.rsqrt((m2 + spread) / kf + eps), gl.SliceLayout(1, layout))
         mean = gl.convert_layout(mean, gl.SliceLayout(1, layout))
         acc = (acc - gl.expand_dims(mean, 1) * load_vector(colsum_ptr, cols)) * gl.expand_dims(rstd, 1)
