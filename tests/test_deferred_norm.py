@@ -806,11 +806,12 @@ def test_site_step_measurement_plumbing(cpu_step_timer, with_producer):
     assert cpu_step_timer == ["deferred norm site"]
 
 
-def test_site_measurement_plumbing(monkeypatch):
+def test_site_measurement_plumbing(monkeypatch, tmp_path):
     """The per-site measurement with the timer and the kernels replaced (they need an sm_90 GPU): every GEMM of
-    the site is timed over its candidates, each GEMM's best is stored under the key its launches read, and the
-    site's entry sums them and their host times against the unfused estimate (cuBLAS GEMMs + the norm's
-    passes)."""
+    the site is timed over its candidates, each GEMM's best is stored under the key its launches read (on
+    disk too: a later process that finds the site's decision cached measures nothing and launches what this
+    one chose), and the site's entry sums them and their host times against the unfused estimate (cuBLAS
+    GEMMs + the norm's passes)."""
     from fusenorm_inductor.kernels import deferred as kd
     from fusenorm_inductor.kernels.triton.common import GemmConfig
     from fusenorm_inductor.tuning import baseline, deferred_norm as tuning, measure
@@ -829,8 +830,10 @@ def test_site_measurement_plumbing(monkeypatch):
         return deferred_mm_reference(*args)
 
     stored = []
-    monkeypatch.setattr(measure, "store", lambda key, entry, bucket=False: stored.append((key, entry)))
-
+    real_store = measure.store
+    monkeypatch.setattr(measure, "store", lambda key, entry, bucket=False: (stored.append((key, entry)),
+                                                                             real_store(key, entry)))
+    monkeypatch.setattr(config.tuning, "cache_dir", str(tmp_path))
     monkeypatch.setattr(measure, "time_ms", fake_time)
     monkeypatch.setattr(measure, "gemm_ms", lambda a, b, bias: 1.0)
     monkeypatch.setattr(measure, "norm_proxy_ms", lambda *a: 0.5)
@@ -854,6 +857,8 @@ def test_site_measurement_plumbing(monkeypatch):
     assert [k[0] for k, _ in stored] == ["deferred_mm"] * 3
     assert all(e["config"] == list(cands[0]) for _, e in stored)
     assert stored[0][0] == tuning.deferred_key(a, wp, None, res, None, None, None, 0, LN, tuning.stats_tile(40))
+    measure.clear_memory()  # a later process: the launches' entries are read back from the disk cache
+    assert [measure.lookup(k)["config"] for k, _ in stored] == [list(cands[0])] * 3
     # training with the backward deferred: its GEMM (the two consumers' gradients side by side, x the
     # residual, LayerNorm's three per-row terms) is timed and stored under its launches' key; the fused side
     # adds the write of its operand, the unfused side cuBLAS's two input-gradient GEMMs and the norm's backward
@@ -874,6 +879,7 @@ def test_site_measurement_plumbing(monkeypatch):
     entry = tuning._measure_site(tuning.Site(x, biased, consumers, torch.randn(40), torch.randn(40), 1e-5, LN,
                                              wgrads=2, cache=False, dgrad=40))
     assert entry["t_fused_ms"] == pytest.approx(4 * 1.0 + 0.5 + 0.5)
+    measure.clear_memory()
 
 
 def test_site_forward_timed_in_turn_with_inductors_site(monkeypatch):

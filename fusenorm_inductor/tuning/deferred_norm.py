@@ -225,7 +225,7 @@ def _measure_site(site: Site) -> dict:
             best, times = measure.time_candidates(
                 deferred_candidates(args[0], args[1], args[11], args[3], args[13]),
                 lambda c, args=args: op.launch(args, c, _alloc))
-            measure.store(key, measure.make_entry(best, times, None), bucket=True)
+            measure.store(key, measure.make_launch_entry(best, times), bucket=True)
             times_best.append(times[best])
             best_all.append(best)
             # Each GEMM of the site is its own call in the compiled graph: the site pays their host times, each

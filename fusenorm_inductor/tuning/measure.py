@@ -18,7 +18,8 @@ The cache is a JSON file (``config.tuning.cache_dir``, default ``~/.cache/fuseno
 torch and triton versions, a hash of every package file, the TF32 setting and Inductor's mode, the shape,
 dtypes and flags. Writers merge their entry into the file under a file lock and replace it atomically, so
 concurrent processes lose nothing and readers never see half a file; a failed measurement (an inf or NaN
-time) is kept in the process, never written.
+time) is kept in the process, never written. Besides the decisions it holds launch entries
+(``make_launch_entry``: which candidate a GEMM of a deferred site runs, with no unfused time of their own).
 Nothing about the cache fails a compile or a launch: a file that cannot be parsed or is not a JSON object,
 and an entry of the wrong shape, count as absent (that shape is measured again, or runs the first candidate
 where it cannot be), and a cache directory that cannot be written keeps measurements in the process only;
@@ -213,7 +214,7 @@ def entry_problem(entry) -> Optional[str]:
     read its config and its two times)."""
     if not isinstance(entry, dict):
         return f"an entry is {type(entry).__name__}, not an object"
-    for name in ("t_fused_ms", "t_unfused_ms"):
+    for name in ("t_fused_ms",) if _launch_only(entry) else ("t_fused_ms", "t_unfused_ms"):
         t = entry.get(name)
         # An inf (a failed measurement, written by earlier versions) counts as absent: measured again.
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t >= 0 and math.isfinite(t)):
@@ -284,10 +285,11 @@ def store(key: tuple, entry: dict, bucket: bool = False) -> None:
     _memo[key] = entry
     _generation[0] += 1
     _misses.discard(key)
-    # Kept in this process only: an entry without the unfused time (a failed bandwidth probe), and one with a
-    # failed measurement (an inf or NaN anywhere: a candidate that raised, e.g. after a transient CUDA error),
-    # which on disk would keep that shape's verdict until the sources change. The next process measures again.
-    if entry.get("t_unfused_ms") is not None and _finite(entry):
+    # Kept in this process only: a decision without the unfused time (a failed bandwidth probe), and an entry
+    # with a failed measurement (an inf or NaN anywhere: a candidate that raised, e.g. after a transient CUDA
+    # error), which on disk would keep that shape's verdict until the sources change. The next process measures
+    # again. A launch entry has no unfused time by design and is written.
+    if (entry.get("t_unfused_ms") is not None or _launch_only(entry)) and _finite(entry):
         _write_disk(disk_key, entry)
 
 
@@ -593,6 +595,21 @@ def make_entry(best, times: dict, t_unfused: Optional[float], h_fused_us: Option
         entry.update(t_unfused_ms=inductor[0], h_unfused_us=inductor[1], unfused_by="inductor",
                      t_unfused_estimate_ms=t_unfused)
     return entry
+
+
+LAUNCH_ONLY = "none: a launch's choice"  # ``unfused_by`` of ``make_launch_entry``'s entries
+
+
+def make_launch_entry(best, times: dict) -> dict:
+    """An entry that only says which candidate a launch runs (``tuned_config``), with no fuse decision under its
+    key: a GEMM of a deferred site, whose decision is the site's own entry. Kept on disk like a decision: a
+    later process that finds the site's decision cached does not measure the site again, and its launches
+    would otherwise run the first candidate instead of the one measured fastest."""
+    return {**make_entry(best, times, None), "unfused_by": LAUNCH_ONLY}
+
+
+def _launch_only(entry: dict) -> bool:
+    return entry.get("unfused_by") == LAUNCH_ONLY
 
 
 # ----------------------------------------------------------------------------------------------------------
