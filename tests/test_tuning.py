@@ -284,6 +284,44 @@ def test_candidates_after_a_hopeless_first_are_not_timed(monkeypatch, first_ms, 
     assert len(got) == 3
 
 
+@pytest.mark.parametrize("unfused_ms", [None, 1.0])
+def test_refused_candidates_are_left_out_and_the_entry_kept(monkeypatch, unfused_ms):
+    """A candidate that spills (``SpillError``, a refusal) is left out of the times, even as the best guess
+    (it does not end the timing as a hopeless first would), so the entry stays finite and is written to the
+    disk cache: a later process finds it. A candidate that failed otherwise (a transient error) keeps its inf
+    and keeps the entry in this process only, as before."""
+    import triton.testing
+
+    from fusenorm_inductor.kernels.hopper.common import SpillError
+
+    c0, c1, c2, c3 = (common.GemmConfig("gl_pp", 128, bn, 64, 5, 4) for bn in (32, 64, 128, 256))
+    errors = {c0: SpillError("spills"), c2: RuntimeError("a transient failure")}
+    speed, last = {c1: 1.2, c2: 0.5, c3: 0.9}, []
+
+    def run(c):
+        last.append(c)
+        if c in errors:
+            raise errors[c]
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, rep, return_mode: speed[last[-1]])
+    monkeypatch.setattr(measure, "_one_call_ms", lambda fn: fn() or speed[last[-1]])
+    best, got = measure.time_candidates([c0, c1, c2, c3], run, unfused_ms)
+    assert best == c3 and list(got) == [c1, c2, c3] and got[c2] == float("inf"), got
+    key = ("mm_norm", torch.device("cpu"), ((8, 8), (8, 1), "torch.bfloat16"))
+    measure.store(key, measure.make_entry(best, got, 2.0))
+    measure.clear_memory()
+    assert measure.lookup(key) is None  # the transient failure: measured again next time
+    del errors[c2]
+    best, got = measure.time_candidates([c0, c1, c2, c3], run, unfused_ms)
+    assert best == c2 and list(got) == [c1, c2, c3]
+    measure.store(key, measure.make_entry(best, got, 2.0))
+    measure.clear_memory()
+    entry = measure.lookup(key)
+    assert measure.config_of(entry) == c2 and c0.label() not in entry["candidates"]
+    assert measure.time_candidates([c0], run) == (c0, {c0: float("inf")})  # nothing can run
+
+
 @pytest.mark.parametrize("threads", [1, 2, 8])
 def test_candidates_compile_ahead_in_parallel_threads(monkeypatch, threads):
     """Before the timing, every candidate's first call runs in up to ``tuning.compile_threads`` threads at once

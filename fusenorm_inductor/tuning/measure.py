@@ -375,6 +375,15 @@ def _one_call_ms(fn: Callable[[], object]) -> Optional[float]:
     return gpu_ms if gpu_ms > 2.0 * host_ms else None
 
 
+def refused(e: BaseException) -> bool:
+    """Whether a candidate's failure is a refusal: the same for its specialization in every process (a kernel
+    that spills registers, which its launcher never runs; one that does not fit the GPU's resources), not a
+    failure of this run (a transient CUDA error). The kernels mark theirs with a true ``refusal`` attribute."""
+    from triton.runtime.errors import OutOfResources
+
+    return bool(getattr(e, "refusal", False)) or isinstance(e, OutOfResources)
+
+
 def time_ms(fn: Callable[[], object], give_up_ms: Optional[float] = None) -> float:
     """Median GPU time of fn in a CUDA graph (leaves out the CPU launch cost, which a training step
     overlaps with earlier kernels); inf when fn fails (e.g. a config that does not fit shared memory).
@@ -397,7 +406,7 @@ def time_ms(fn: Callable[[], object], give_up_ms: Optional[float] = None) -> flo
             if quick is not None and quick > give_up_ms:
                 return quick
         return float(do_bench_cudagraph(fn, rep=config.tuning.rep_ms, return_mode="median"))
-    except Exception:  # noqa: BLE001 - a failing candidate is simply not chosen (and its entry not stored)
+    except Exception:  # noqa: BLE001 - a failing candidate is simply not chosen
         try:
             torch.cuda.synchronize()  # let an asynchronous failure surface here, not in the next candidate
         except Exception:  # noqa: BLE001 - a sticky CUDA error raises again: it is the same failure
@@ -453,16 +462,33 @@ GIVE_UP = 2.0
 
 def time_candidates(candidates, run: Callable[[object], object], unfused_ms: Optional[float] = None) -> tuple:
     """(fastest, {candidate: ms}): each candidate configuration timed as ``run(candidate)``, best guess first;
-    when the first one takes over ``GIVE_UP`` x ``unfused_ms`` (the unfused estimate, when known) the rest
-    are not timed (they are left out of the times). A candidate whose quick look (``time_ms``) is already over
-    that keeps the quick look's time: it cannot be chosen over the unfused path either way."""
+    when the first one timed takes over ``GIVE_UP`` x ``unfused_ms`` (the unfused estimate, when known) the
+    rest are not timed (they are left out of the times). A candidate whose quick look (``time_ms``) is already
+    over that keeps the quick look's time: it cannot be chosen over the unfused path either way. A candidate
+    ``refused`` (it spills, or does not fit) is left out too: it runs nowhere, and an inf among the times would
+    keep the whole entry off the disk cache (a failed measurement), so every process would measure the shape
+    again. Where every candidate is refused: (the first, {the first: inf})."""
     times = {}
     give_up = GIVE_UP * unfused_ms if unfused_ms else None
     compile_ahead(candidates, run)
-    for i, c in enumerate(candidates):
-        times[c] = time_ms(lambda c=c: run(c), give_up)
-        if i == 0 and give_up is not None and times[c] > give_up:
+    for c in candidates:
+        failures: list = []
+
+        def call(c=c, failures=failures):
+            try:
+                return run(c)
+            except Exception as e:
+                failures.append(e)
+                raise
+
+        t = time_ms(call, give_up)
+        if failures and refused(failures[-1]):
+            continue
+        times[c] = t
+        if len(times) == 1 and give_up is not None and t > give_up:
             break
+    if not times:
+        return candidates[0], {candidates[0]: math.inf}
     return min(times, key=times.get), times
 
 

@@ -33,7 +33,10 @@ ALLOW_SPILLS = False  # the probe benchmark times spilling specializations too (
 
 
 class SpillError(RuntimeError):
-    """The compiled kernel spills registers: not launched (the caller takes another path)."""
+    """The compiled kernel spills registers: not launched (the caller takes another path). A ``refusal``
+    (tuning/measure.py): the specialization spills in every process, so its shape's measurement is kept."""
+
+    refusal = True
 
 
 def refuse_spills(compiled, label: str, obeys_allow_spills: bool = False) -> None:
