@@ -18,7 +18,7 @@ setup(
     packages=[
         "fusenorm_inductor", "fusenorm_inductor.ops", "fusenorm_inductor.patterns", "fusenorm_inductor.kernels",
         "fusenorm_inductor.kernels.triton", "fusenorm_inductor.tuning",
-        "fusenorm_inductor.kernels.hopper",
+        "fusenorm_inductor.kernels.hopper", "fusenorm_inductor.backends",
     ],
     py_modules=["fusenorm"],
     install_requires=["torch>=2.11", "sympy"],
@@ -26,6 +26,9 @@ setup(
         "test": ["pytest", "numpy<2.4", "hypothesis"],
         "plot": ["matplotlib"],
         "examples": ["transformers"],
+        # quack's GEMMs for deferred normalization (fusenorm_inductor/backends/quack.py): the pair run on the GPU
+        # machine; quack 0.6.4 pins the CUTLASS DSL exactly, and its CUDA 13 libraries come with the cu13 extra.
+        "quack": ["quack-kernels==0.6.4", "nvidia-cutlass-dsl[cu13]==4.6.2"],
     },
     entry_points={"torch_dynamo_backends": ["fusenorm = fusenorm_inductor.backend:fusenorm_backend"]},
 )

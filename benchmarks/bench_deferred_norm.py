@@ -160,6 +160,54 @@ def gemm_call(model: Chain, x: torch.Tensor, g: torch.Tensor, mode: str):
     return train
 
 
+def quack_call(model: Chain, x: torch.Tensor, r, p: dict):
+    """quack's hand-called deferred RMSNorm chain (``gemm_rms`` then ``gemm_norm_act``, autotuned on its first
+    call, as its users call it), where it does the same fusion by hand: the RMSNorm chain in inference, without
+    bias (gemm_rms has none), the residual as its C; None elsewhere or where quack is not installed."""
+    if p["chain"] != "chain" or p["norm"] != "rms" or p["mode"] != "infer" or p["bias"] == "on":
+        return None
+    try:
+        from quack.gemm_interface import gemm_norm_act, gemm_rms
+    except Exception:  # noqa: BLE001 - not installed: no row
+        return None
+    w1t, w2t = model.linears[0].weight.detach().t(), model.linears[1].weight.detach().t()
+    g, eps = model.norms[0].weight.detach(), model.norms[0].eps
+    x = x.detach()
+
+    def chain():
+        d, rstd = gemm_rms(x, w1t, C=r, norm_weight=g, eps=eps)
+        return gemm_norm_act(d, w2t, rstd=rstd)[1]
+
+    return chain
+
+
+def launched_backends(call) -> str:
+    """Which kernel backends the fused call's deferred GEMMs run on ("quack", "gluon", "gluon+quack", or "none"):
+    its launch plans made again on one call, each backend's launches counted."""
+    from fusenorm_inductor import backends
+    from fusenorm_inductor.ops import deferred_norm
+
+    seen = set()
+    saved = {}
+    for b in backends.BACKENDS:
+        real = type(b).deferred_launch
+        saved[type(b)] = real
+
+        def spy(self, *a, real=real, **k):
+            seen.add(self.name)
+            return real(self, *a, **k)
+
+        type(b).deferred_launch = spy
+    try:
+        deferred_norm._PLANS.clear()
+        call()
+        common.sync()
+    finally:
+        for cls, real in saved.items():
+            cls.deferred_launch = real
+    return "+".join(sorted(seen)) or "none"
+
+
 def model_call(cm, models, x, r, target, mode: str):
     if mode == "infer":
         return lambda: cm(x, r)
@@ -230,7 +278,18 @@ def _measure(p: dict, base: dict, args, device: str) -> list[dict]:
         if name == "fused":
             reps = [rep for rep in fusenorm_inductor.reports() if id(rep) not in seen]
             row.update(common.fused_patterns(reps, PATTERN))
+    if device == "cuda":
+        row["backend"] = launched_backends(calls["fused"])
+        quack = quack_call(proto, x, r, p)
+        if quack is not None:
+            t0 = time.perf_counter()
+            outs["quack"] = quack()  # its autotuning, outside the timings
+            common.sync()
+            row["first_call_s"]["quack"] = time.perf_counter() - t0
+            calls["quack"] = quack
     rows2d = {name: o.reshape(1, 1) if o.dim() == 0 else o for name, o in outs.items()}  # train: the loss
+    if "quack" in rows2d:
+        row["quack_max_abs_diff"] = gn.max_abs_diff(rows2d["quack"], rows2d["unfused"])
     row["max_abs_diff"] = gn.max_abs_diff(rows2d["fused"], rows2d["unfused"])
     row["aa_max_abs_diff"] = gn.max_abs_diff(rows2d["unfused_aa"], rows2d["unfused"])
     outs = rows2d = None
@@ -260,6 +319,9 @@ def _measure(p: dict, base: dict, args, device: str) -> list[dict]:
                    speedup=common.ratio_median(rounds, "unfused", "fused"),
                    aa_ratio=common.ratio_median(rounds, "unfused", "unfused_aa"),
                    aa_spread=common.spread([t["unfused"], t["unfused_aa"]]))
+        if "quack" in t:
+            out.update(t_quack_ms=t["quack"], peak_quack_mib=peaks["quack"],
+                       fused_vs_quack=common.ratio_median(rounds, "quack", "fused"))
         if notes:
             out["notes"] = [f"{k}: {v}" for k, v in notes.items()]
         rows.append(derive(out))
@@ -414,6 +476,10 @@ def meta_block(args, device: str, tuning: dict) -> dict:
             "t_gemms_ms": "the chain's GEMMs alone, eager cuBLAS (train: forward and backward, 3 per linear)",
             "t_unfused_ms": "Inductor's compiled chain (train: the whole step)",
             "t_fused_ms": "fusenorm's compiled chain (train: the whole step)",
+            "t_quack_ms": "quack's hand-called chain (gemm_rms + gemm_norm_act, autotuned on its first call): the RMSNorm "
+                          "chain in inference without bias, where quack is installed",
+            "fused_vs_quack": "median of per-round t_quack / t_fused (above 1: fusenorm faster)",
+            "backend": "the kernel backends fusenorm's compiled chain launched its deferred GEMMs on",
             "aa_ms": "a second, independent Inductor compile", "aa_ratio": "median of per-round t_unfused / aa",
             "aa_spread": "max / min - 1 of t_unfused and aa_ms", "speedup": "median of per-round t_unfused / t_fused",
             "norm_share": "(t_unfused - t_gemms) / t_unfused",

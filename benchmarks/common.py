@@ -351,12 +351,28 @@ def git_commit() -> str | None:
         return None
 
 
+def quack_versions() -> str:
+    """quack's and the CUTLASS DSL's versions ("quack X, nvidia-cutlass-dsl Y"), or "not installed"."""
+    from importlib import metadata
+
+    try:
+        return f"quack {metadata.version('quack-kernels')}, nvidia-cutlass-dsl {metadata.version('nvidia-cutlass-dsl')}"
+    except metadata.PackageNotFoundError:
+        try:
+            import quack
+
+            return f"quack {getattr(quack, '__version__', '?')} (no package metadata)"
+        except Exception:  # noqa: BLE001 - not importable
+            return "not installed"
+
+
 def environment(device: str = "cuda", *, python: bool = True, commit: bool = True, date: str = "seconds") -> dict:
     """The meta block's stamp, in this order: gpu (or "cpu (...)"), torch, triton, python (unless python=False),
     date (``"seconds"``: ISO date and time; ``"day"``: ISO date), commit (unless commit=False)."""
     import triton
 
-    out = {"gpu": gpu_name(device), "torch": torch.__version__, "triton": triton.__version__}
+    out = {"gpu": gpu_name(device), "torch": torch.__version__, "triton": triton.__version__,
+           "quack": quack_versions()}
     if python:
         out["python"] = platform.python_version()
     out["date"] = (datetime.datetime.now().isoformat(timespec="seconds") if date == "seconds"

@@ -119,6 +119,11 @@ class patterns:
 # still keeps a shape unfused where the fused kernel does not win.
 gluon: bool = Config(default=_env_bool("FUSENORM_GLUON", True))
 
+# Offer quack's GEMMs (the optional extra ``pip install "fusenorm[quack]"``: Dao-AILab's CuTeDSL kernels) to
+# the dispatch of deferred normalization's GEMMs, timed beside the Gluon kernels and Inductor's own code; a
+# no-op where quack is not installed (the match report says so once). Off: never imported.
+quack: bool = Config(default=_env_bool("FUSENORM_QUACK", True))
+
 # Let the fused kernels for rows wider than one tile (N > 256) exchange row statistics between programs
 # that wait for each other ("spin" kernels, docs/design.md). They launch at most one program per SM, so all
 # are resident on a whole GPU; a GPU partitioned below its SM count (MPS thread limits, green contexts)

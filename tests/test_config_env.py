@@ -32,6 +32,7 @@ BOOL_OPTIONS = {
     "patterns.attention_block_training": ("FUSENORM_ATTENTION_BLOCK_TRAINING", False),
     "patterns.attention_block_dense": ("FUSENORM_ATTENTION_BLOCK_DENSE", False),
     "gluon": ("FUSENORM_GLUON", True),
+    "quack": ("FUSENORM_QUACK", True),
     "spin_exchange": ("FUSENORM_SPIN_EXCHANGE", True),
     "tuning.measure": ("FUSENORM_TUNE", True),
     "tuning.measure_inductor": ("FUSENORM_TUNE_INDUCTOR", True),

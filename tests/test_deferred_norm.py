@@ -839,7 +839,7 @@ def test_site_measurement_plumbing(monkeypatch, tmp_path):
     monkeypatch.setattr(measure, "norm_proxy_ms", lambda *a: 0.5)
     monkeypatch.setattr(measure, "fused_host_us", lambda launch, gpu_ms=None: 7.0)
     monkeypatch.setattr(baseline, "enabled", lambda device: False)
-    monkeypatch.setattr(tuning, "deferred_candidates", lambda a, b, out_tile, residual=None, res_rows=None: cands)
+    monkeypatch.setattr(tuning, "deferred_candidates", lambda a, b, out_tile, residual=None, res_rows=None, out_norm=None: cands)
     monkeypatch.setattr(kd, "launch", fake_launch)
     measure.clear_memory()
     a, wp, res = torch.randn(300, 48), torch.randn(48, 40), torch.randn(300, 40)
@@ -919,7 +919,7 @@ def test_site_forward_timed_in_turn_with_inductors_site(monkeypatch):
     monkeypatch.setattr(measure, "fused_host_us", lambda launch, gpu_ms=None: 7.0)
     monkeypatch.setattr(baseline, "enabled", lambda device: True)
     monkeypatch.setattr(baseline, "time_compiled", fake_compiled)
-    monkeypatch.setattr(tuning, "deferred_candidates", lambda a, b, out_tile, residual=None, res_rows=None: cands)
+    monkeypatch.setattr(tuning, "deferred_candidates", lambda a, b, out_tile, residual=None, res_rows=None, out_norm=None: cands)
     monkeypatch.setattr(kd, "launch", fake_launch)
     measure.clear_memory()
     a, wp, x = torch.randn(300, 48), torch.randn(48, 40), torch.randn(300, 40)
@@ -950,7 +950,7 @@ def test_site_decision_uses_the_deferral_margin(monkeypatch):
     monkeypatch.setattr(measure, "can_measure", lambda device: True)
     monkeypatch.setattr(measure, "lookup", lambda key: None)
     monkeypatch.setattr(measure, "store", lambda key, entry, bucket=False: None)
-    monkeypatch.setattr(tuning, "gluon_unsupported", lambda *a: None)
+    monkeypatch.setattr(tuning, "unsupported", lambda case: None)
     monkeypatch.setattr(tuning.Site, "key", lambda self: ("site",))
     entry = {"config": ["gl_coop", 128, 256, 64, 3, 8], "t_fused_ms": 0.88, "t_unfused_ms": 1.0, "candidates": {},
              "unfused_by": "inductor"}
@@ -978,7 +978,7 @@ def test_a_training_site_is_deferred_only_where_its_whole_step_wins(monkeypatch,
     monkeypatch.setattr(measure, "can_measure", lambda device: True)
     monkeypatch.setattr(measure, "lookup", lambda key: None)
     monkeypatch.setattr(measure, "store", lambda key, entry, bucket=False: None)
-    monkeypatch.setattr(tuning, "gluon_unsupported", lambda *a: None)
+    monkeypatch.setattr(tuning, "unsupported", lambda case: None)
     monkeypatch.setattr(tuning.Site, "key", lambda self: ("site", self.training))
     entry = {"config": ["gl_coop", 128, 256, 64, 3, 8], "t_fused_ms": 0.88, "t_unfused_ms": 1.0, "candidates": {},
              "unfused_by": "inductor"}

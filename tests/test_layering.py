@@ -1,6 +1,7 @@
 """The package's layers, read from its source with ast (no import is executed).
 
-- kernels/ (every GPU kernel and its launcher) imports nothing from ops/, tuning/ or patterns/;
+- kernels/ (every GPU kernel and its launcher) imports nothing from ops/, tuning/, patterns/ or backends/;
+- backends/ (the kernel libraries behind one interface) imports nothing from ops/, tuning/ or patterns/;
 - ops/ (the custom ops) and tuning/ (timing, cache, decisions) import nothing from patterns/;
 - config.py imports nothing of fusenorm's (it holds data; the passes register their hook with it);
 - no import cycle between modules, counting imports inside functions too (a lazy import only delays a cycle);
@@ -74,7 +75,8 @@ def _layer(module: str) -> str | None:
 
 
 FORBIDDEN = {
-    "kernels": ("ops", "tuning", "patterns"),
+    "kernels": ("ops", "tuning", "patterns", "backends"),
+    "backends": ("ops", "tuning", "patterns"),
     "ops": ("patterns",),
     "tuning": ("patterns",),
 }

@@ -42,8 +42,9 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from .. import backends, graph_calls
 from .. import config as settings
-from .. import graph_calls
+from ..backends import DeferredCase
 from ..kernels.deferred import LN, NONE, RMS, applied, folded, merge_stats, partial_stats, stats_shape
 from ..tuning import measure
 from ._validate import check_eps, check_tensor
@@ -206,7 +207,7 @@ def deferred_mm_cuda(args: tuple, check: Callable[[], None]):
     this argument signature (no validation or tuning lookup per call), else ``check()`` and
     ``deferred_mm_tuned``, whose plan is kept when it made one (not while a CUDA graph is captured)."""
     tensors, scalars = args[:7] + args[13:], args[7:13]
-    key = measure.plan_key(tensors, *scalars, settings.gluon)
+    key = measure.plan_key(tensors, *scalars, settings.gluon, settings.quack)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan(*args)
@@ -228,16 +229,27 @@ def deferred_mm_tuned(args: tuple, config=None, plan_out: Optional[list] = None)
     tuning/deferred_norm.py) where it takes the inputs, else the reference's torch code on the GPU (also
     where the specialization spills). ``plan_out``: where a Gluon launch appends the function that launches
     it again on inputs of the same signature."""
-    from ..kernels import deferred as kernels
     from ..tuning import deferred_norm as tuning
 
     args = tuple(args) + (None,) * (N_ARGS - len(args))
-    a, b, residual, out_norm, out_tile = args[0], args[1], args[3], args[10], args[11]
-    if 0 in (a.shape[0], a.shape[1], b.shape[1]) or tuning.gluon_unsupported(a, b, residual, out_norm, out_tile):
+    a, b = args[0], args[1]
+    if 0 in (a.shape[0], a.shape[1], b.shape[1]) or tuning.unsupported(DeferredCase.of(args)):
         return deferred_mm_reference(*args)
-    from ..kernels.hopper.common import SpillError
-
+    config = config or tuning.deferred_config(*args)
+    backend = backends.backend_of(config)
+    if backend.deferred_unsupported(DeferredCase.of(args)) is not None:
+        # the cached choice's backend is gone (switched off, not installed in this process): another's first
+        config = tuning.deferred_candidates(a, b, args[11], args[3], args[13], args[10])[0]
+        backend = backends.backend_of(config)
     try:
-        return kernels.launch(args, config or tuning.deferred_config(*args), _alloc, plan_out)
-    except SpillError:
+        return backend.deferred_launch(args, config, _alloc, plan_out)
+    except Exception as e:
+        if getattr(e, "refusal", False):  # a specialization its kernel cannot build (spills): nothing launched
+            return deferred_mm_reference(*args)
+        if backend is backends.GLUON:
+            raise
+        # a peer library failing on inputs it said it takes: the correct, slow path, said once
+        measure.warn_once(("deferred_mm", backend.name, type(e).__name__),
+                          f"fusenorm: {backend.name}'s deferred GEMM failed ({type(e).__name__}: {e}); the op's "
+                          "reference runs instead")
         return deferred_mm_reference(*args)

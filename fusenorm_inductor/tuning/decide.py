@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from .. import config
+from ..backends import gluon_off  # noqa: F401 - the ops' tuning modules take it from here
 from . import measure
 
 __all__ = ["Choice"]
@@ -133,21 +134,6 @@ def _forward_choice(key, device, measure_fn: Callable[[], dict], default_label: 
     verdict = "fused" if fuse else "left unfused: fusion would not win"
     reason = f"{verdict} (measured {t_f:.4g} ms fused [{label}] vs {t_u:.4g} ms {what}{host})"
     return Choice(fuse, label, reason, t_f, t_u), entry
-
-
-def gluon_off(force_block_n: Optional[int] = None) -> Optional[str]:
-    """Why no Gluon sm_90 kernel can run at all (switched off, a test hook forcing the tl tiles, a triton
-    without a usable Gluon), else None: what every op's ``gluon_unsupported`` asks before the kernel's own
-    checks of the inputs."""
-    if not config.gluon:
-        return "off (config.gluon / FUSENORM_GLUON)"
-    if force_block_n is not None:
-        return "test hook _FORCE_BLOCK_N set"
-    from ..kernels.hopper import _compat
-
-    if _compat.GLUON_ERROR is not None:  # the kernel modules themselves need Gluon to import
-        return f"this triton has no usable Gluon ({_compat.GLUON_ERROR})"
-    return None
 
 
 def _describe(t: torch.Tensor, op: str) -> str:

@@ -3,8 +3,9 @@ site is deferred at all.
 
 - ``stats_tile``: the width of the column tiles the producer writes statistics for (a divisor of every
   configuration's N tile, so each CTA writes whole partials of its own tile).
-- ``gluon_unsupported`` / ``deferred_candidates`` / ``deferred_config``: the Gluon kernel's configurations
-  (kernels/hopper/deferred_mm.py) and the one a launch runs: measured per GEMM and cached under
+- ``unsupported`` / ``deferred_candidates`` / ``deferred_config``: the kernel backends' configurations
+  (backends/: our Gluon kernel, kernels/hopper/deferred_mm.py, and quack's GEMMs where installed), pooled, and
+  the one a launch runs: each GEMM's candidates timed against each other, the fastest cached under
   ``deferred_key`` (tuning/measure.py), else the first candidate.
 - ``site_choice``: the pattern's compile-time decision for one norm site (patterns/deferred_norm.py): the
   fused GEMMs of the site (the producer that writes the statistics, each consumer that applies them) timed
@@ -23,12 +24,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import config
+from .. import backends, config
+from ..backends import DeferredCase
 from . import baseline, measure
-from .decide import Choice, _choice, gluon_off
+from .decide import Choice, _choice
 
 __all__ = ["deferred_candidates", "deferred_config", "deferred_key", "dgrad_unsupported", "fp32_output_gemm",
-           "gluon_unsupported", "site_choice", "stats_tile"]
+           "site_choice", "stats_tile", "unsupported"]
 
 STATS_TILE = 128  # the narrowest N tile the Gluon candidates use where rows are wider than it
 
@@ -40,24 +42,21 @@ def stats_tile(n: int) -> int:
     return min(STATS_TILE, pow2_tile(n))
 
 
-def gluon_unsupported(a: Tensor, b: Tensor, residual: Optional[Tensor], out_norm: int, out_tile: int
-                      ) -> Optional[str]:
-    """Why the Gluon kernel cannot take these inputs; None when it can."""
-    why = gluon_off()
-    if why is not None:
-        return why
-    from ..kernels.hopper import deferred_mm as hopper
-
-    return hopper.unsupported(a, b, residual, out_norm, out_tile)
+def unsupported(case: DeferredCase) -> Optional[str]:
+    """Why no kernel backend can take this GEMM of a deferred norm (each backend's reason: backends/); None
+    when one can."""
+    return backends.deferred_unsupported(case)
 
 
 def dgrad_unsupported(x: Tensor, width: int) -> Optional[str]:
-    """Why the Gluon kernel cannot take the input-gradient GEMM of a deferred norm's backward (the consumers'
-    scaled gradients [M, width] times their folded weights [width, N], x [M, N] the residual); None when it
-    can, or off CUDA (the reference runs there)."""
+    """Why no backend can take the input-gradient GEMM of a deferred norm's backward (the consumers' scaled
+    gradients [M, width] times their folded weights [width, N], x [M, N] the residual, with the norm's
+    backward as per-row residual terms); None when one can, or off CUDA (the reference runs there)."""
     if x.device.type != "cuda":
         return None
-    return gluon_unsupported(x.new_empty((x.shape[0], width)), x.new_empty((width, x.shape[1])), x, 0, 0)
+    rows = x.new_empty((3, x.shape[0]), dtype=torch.float32)
+    return unsupported(DeferredCase(x.new_empty((x.shape[0], width)), x.new_empty((width, x.shape[1])),
+                                    residual=x, res_rows=rows))
 
 
 @functools.cache
@@ -76,10 +75,12 @@ def fp32_output_gemm(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def deferred_candidates(a: Tensor, b: Tensor, out_tile: int, residual: Optional[Tensor] = None,
-                        res_rows: Optional[Tensor] = None) -> list:
-    from ..kernels.hopper import deferred_mm as hopper
-
-    return hopper.candidates(a, b, out_tile, residual is not None, res_rows is not None)
+                        res_rows: Optional[Tensor] = None, out_norm: Optional[int] = None) -> list:
+    """Every backend's candidates for this GEMM (``out_norm``: the norm its statistics serve, RMSNorm where a
+    tile is given and no norm is named)."""
+    if out_norm is None:
+        out_norm = 1 if out_tile else 0
+    return backends.deferred_candidates(DeferredCase(a, b, None, residual, 0, out_norm, out_tile, res_rows))
 
 
 def deferred_key(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_norm, out_norm, out_tile, res_rows=None
@@ -95,7 +96,7 @@ def deferred_config(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps
     return measure.tuned_config(
         deferred_key(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_norm, out_norm, out_tile, res_rows),
         a.device,
-        lambda: deferred_candidates(a, b, out_tile, residual, res_rows))
+        lambda: deferred_candidates(a, b, out_tile, residual, res_rows, out_norm))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -147,10 +148,10 @@ def site_choice(site: Site) -> Choice:
     if site.producer is not None:
         gemms.append((site.producer[0], site.producer[1], site.producer[3], site.norm, tile))
     for a, b, residual, out_norm, out_tile in gemms:
-        why = gluon_unsupported(a, b, residual, out_norm, out_tile)
+        why = unsupported(DeferredCase(a, b, None, residual, 0, out_norm, out_tile))
         if why is not None:
-            return Choice(False, "-", f"not deferred: the Gluon kernel cannot take a GEMM of the site ({why})")
-    return _choice(site.key(), x.device, lambda: _measure_site(site), lambda: "Gluon deferred_mm",
+            return Choice(False, "-", f"not deferred: no kernel backend takes a GEMM of the site ({why})")
+    return _choice(site.key(), x.device, lambda: _measure_site(site), lambda: "deferred_mm's first candidates",
                    what="Inductor's unfused site (or cuBLAS GEMMs + the norm at copy speed)",
                    step_fn=(lambda: _measure_step(site)) if site.training else None,
                    margin=config.tuning.margin_deferred)
@@ -223,8 +224,8 @@ def _measure_site(site: Site) -> dict:
         for args in calls:
             key = deferred_key(*args[:7], args[8], args[10], args[11], args[13])
             best, times = measure.time_candidates(
-                deferred_candidates(args[0], args[1], args[11], args[3], args[13]),
-                lambda c, args=args: op.launch(args, c, _alloc))
+                deferred_candidates(args[0], args[1], args[11], args[3], args[13], args[10]),
+                lambda c, args=args: backends.deferred_launch(args, c, _alloc))
             measure.store(key, measure.make_launch_entry(best, times), bucket=True)
             times_best.append(times[best])
             best_all.append(best)
@@ -232,7 +233,7 @@ def _measure_site(site: Site) -> dict:
             # through the cached launch plan, as the op's CUDA path calls it.
             made: list = []
             launches.append(lambda args=args, best=best, made=made: made[0](*args) if made
-                            else op.launch(args, best, _alloc, made))
+                            else backends.deferred_launch(args, best, _alloc, made))
             hosts.append(measure.fused_host_us(launches[-1], times[best]))
             labels.update({f"GEMM {len(best_all)}: {c.label()}": t for c, t in times.items()})
         forward = calls[:-1] if site.dgrad else calls

@@ -752,12 +752,17 @@ def unfused_host_us(device: torch.device) -> Optional[float]:
 
 
 def config_of(entry: dict):
-    """The entry's GemmConfig; ValueError (saying what is wrong) when its "config" does not make one."""
+    """The entry's configuration (kernels/triton's GemmConfig, or a backend's own: backends.config_from);
+    ValueError (saying what is wrong) when its "config" does not make one."""
+    from ..backends import config_from
     from ..kernels.triton.common import GemmConfig
 
     cfg = entry.get("config")
     if not isinstance(cfg, (list, tuple)):
         raise ValueError(f"is {cfg!r}, not a list")
+    other = config_from(list(cfg))  # a backend with its own configuration type (quack)
+    if other is not None:
+        return other
     fields = GemmConfig._fields
     required = len(fields) - len(GemmConfig._field_defaults)
     if not required <= len(cfg) <= len(fields):

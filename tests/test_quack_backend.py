@@ -1,0 +1,337 @@
+"""The kernel-backend interface (backends/) and its quack backend (backends/quack.py).
+
+CPU (every run): the registry pools the backends' candidates and says why none takes a case; quack's
+refusals name the reason; a quack configuration survives the tuning cache's round trip; with quack missing
+or switched off, everything runs as before (Gluon's candidates alone). The row-scale merge's torch form
+against ``merge_stats``.
+
+GPU with quack installed (skipped otherwise; run on the GPU machine): ``fusenorm::deferred_mm`` through every
+quack candidate against the CPU reference (``oracle`` of test_gluon_deferred_mm: 16-bit tolerances plus an
+fp32 dot-product allowance), outputs NaN-poisoned, no silent fallback to the reference: producers writing
+RMSNorm statistics (odd M, N with a short last tile, bias and residual or bare), consumers applying RMSNorm and
+LayerNorm (LayerNorm at |mean| / std = 1000 in fp16, 125 in bf16), links of an RMSNorm tower; the merge kernel
+against its torch form; and compiled models with the Gluon kernels switched off (quack serves every deferred
+GEMM): an RMSNorm tower with 3-D input, bias and a post-norm residual, a pre-norm block with q/k/v fan-out, and
+a LayerNorm chain, against an fp32 reference relative to Inductor's own error on the same model.
+"""
+
+import copy
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+import torch.nn as nn  # noqa: E402
+
+import fusenorm_inductor as fi  # noqa: E402
+from fusenorm_inductor import backends, config  # noqa: E402
+from fusenorm_inductor.backends import DeferredCase  # noqa: E402
+from fusenorm_inductor.backends.quack import QUACK, QuackConfig  # noqa: E402
+from fusenorm_inductor.kernels import deferred as dk  # noqa: E402
+from fusenorm_inductor.kernels.merge import row_scales, row_scales_reference  # noqa: E402
+from fusenorm_inductor.ops import deferred_norm as op  # noqa: E402
+from fusenorm_inductor.tuning import measure  # noqa: E402
+
+NONE, RMS, LN = dk.NONE, dk.RMS, dk.LN
+BF16, F16 = torch.bfloat16, torch.float16
+_QUACK = QUACK.unavailable() is None
+_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in (8, 9, 10, 12)
+gpu_quack = pytest.mark.skipif(not (_GPU and _QUACK), reason=f"needs a GPU quack serves and quack ({QUACK.unavailable()})")
+
+
+def _case(m=256, k=64, n=128, dtype=BF16, device="meta", **kw):
+    return DeferredCase(torch.empty(m, k, dtype=dtype, device=device), torch.empty(k, n, dtype=dtype, device=device),
+                        **kw)
+
+
+# ---- CPU: the interface ------------------------------------------------------------------------------------
+
+
+def test_case_of_the_op_arguments():
+    a, b = torch.empty(4, 8), torch.empty(8, 16)
+    args = (a, b, None, None, None, None, None, 1e-5, RMS, 128, LN, 64, False)
+    case = DeferredCase.of(args)
+    assert (case.a is a and case.b is b and case.a_norm == RMS and case.out_norm == LN and case.out_tile == 64
+            and case.res_rows is None)
+
+
+def test_quack_missing_or_off_says_why(monkeypatch):
+    from fusenorm_inductor.backends import quack
+
+    with config.patch(quack=False):
+        assert QUACK.unavailable() == "off (config.quack / FUSENORM_QUACK)"
+        assert backends.unavailable()["quack"].startswith("off")
+    monkeypatch.setattr(quack, "_import_problem", lambda: "not installed (ModuleNotFoundError: No module named 'quack')")
+    assert QUACK.deferred_unsupported(_case()).startswith("not installed")
+    assert "not installed" in backends.unavailable()["quack"]
+
+
+def test_quack_refusals_name_the_reason(monkeypatch):
+    from fusenorm_inductor.backends import quack
+
+    monkeypatch.setattr(quack, "_import_problem", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = dict(device="cuda") if torch.cuda.is_available() else None
+    assert "CUDA only" in QUACK.deferred_unsupported(_case())
+    if cuda is None:  # the checks below read CUDA tensors' metadata: fake ones stand in on a CPU machine
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            _refusals(lambda **kw: _case(device="cuda", **kw))
+    else:
+        _refusals(lambda **kw: _case(device="cuda", **kw))
+
+
+def _refusals(case):
+    assert QUACK.deferred_unsupported(case()) is None
+    assert QUACK.deferred_unsupported(case(out_norm=RMS, out_tile=128)) is None
+    assert "LayerNorm statistics" in QUACK.deferred_unsupported(case(out_norm=LN, out_tile=128))
+    assert "tiles" in QUACK.deferred_unsupported(case(out_norm=RMS, out_tile=64))
+    rows = torch.empty(3, 256, device="cuda")
+    res = torch.empty(256, 128, dtype=BF16, device="cuda")
+    assert "per-row residual" in QUACK.deferred_unsupported(case(residual=res, res_rows=rows))
+    assert "fp16 or bf16" in QUACK.deferred_unsupported(case(dtype=torch.float32))
+    assert "multiples of 8" in QUACK.deferred_unsupported(case(k=60))
+    assert "residual in" in QUACK.deferred_unsupported(case(residual=res.float()))
+
+
+def test_registry_pools_candidates_and_joins_reasons(monkeypatch):
+    from fusenorm_inductor.backends import gluon, quack
+
+    q = [QuackConfig("quack", 128, 128, 2, 1, True)]
+    monkeypatch.setattr(gluon._Gluon, "deferred_unsupported", lambda self, case: None)
+    monkeypatch.setattr(gluon._Gluon, "deferred_candidates", lambda self, case: ["g1", "g2"])
+    monkeypatch.setattr(quack._Quack, "deferred_unsupported", lambda self, case: None)
+    monkeypatch.setattr(quack._Quack, "deferred_candidates", lambda self, case: q)
+    assert backends.deferred_candidates(_case()) == ["g1", "g2", *q]  # ours first: what runs untimed
+    assert backends.backend_of(q[0]) is QUACK
+    monkeypatch.setattr(quack._Quack, "deferred_unsupported", lambda self, case: "not installed")
+    assert backends.deferred_candidates(_case()) == ["g1", "g2"]
+    assert backends.deferred_unsupported(_case()) is None
+    monkeypatch.setattr(gluon._Gluon, "deferred_unsupported", lambda self, case: "off")
+    assert backends.deferred_unsupported(_case()) == "gluon: off; quack: not installed"
+    with pytest.raises(ValueError, match="no backend owns"):
+        backends.backend_of(("mystery", 1))
+
+
+def test_quack_configuration_round_trips_through_the_cache():
+    cfg = QuackConfig("quack", 256, 128, 2, 1, False, 9, False, 0, 0)
+    entry = measure.make_entry(cfg, {cfg: 1.0}, 2.0)
+    assert entry["candidates"] == {cfg.label(): 1.0}
+    assert measure.config_of(entry) == cfg
+    assert measure.config_of({"config": ["gl_coop", 128, 256, 64, 3, 8]}).kind == "gl_coop"
+    for bad in (["quack", 128], ["quack", 128, 128, 2, 1, "yes"], ["quack", 0, 128, 2, 1, True]):
+        with pytest.raises(ValueError):
+            measure.config_of({"config": bad})
+
+
+@pytest.mark.parametrize("norm", [RMS, LN], ids=["rms", "ln"])
+def test_row_scales_reference_is_the_merge(norm):
+    torch.manual_seed(0)
+    y = 300 + torch.randn(37, 1000)
+    stats = dk.partial_stats(y, norm, 96)
+    s, t = row_scales_reference(stats, 1000, 96, 1e-5, norm)
+    mean, rstd = dk.merge_stats(stats, 1000, 96, 1e-5, norm)
+    torch.testing.assert_close(s, rstd)
+    if norm == LN:
+        torch.testing.assert_close(t, mean * rstd)
+    else:
+        assert t is None
+    # the off-GPU call is the reference
+    s2, _ = row_scales(stats, 1000, 96, 1e-5, norm)
+    torch.testing.assert_close(s2, s)
+
+
+# ---- GPU: quack's deferred GEMMs ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def quack_only(monkeypatch):
+    """NaN-poisoned outputs; the reference may not run (a launch that fell back would pass unseen)."""
+    from .kernel_cases import nan_alloc
+
+    monkeypatch.setattr(op, "_alloc", nan_alloc)
+
+    def no_fallback(*a, **k):
+        raise AssertionError("the op's reference ran instead of quack")
+
+    monkeypatch.setattr(op, "deferred_mm_reference", no_fallback)
+    torch.manual_seed(0)
+    with config.patch(quack=True):
+        yield
+
+
+def _run_all(args):
+    from .test_gluon_deferred_mm import oracle
+
+    case = DeferredCase.of(args)
+    assert QUACK.deferred_unsupported(case) is None, QUACK.deferred_unsupported(case)
+    cands = QUACK.deferred_candidates(case)
+    assert cands
+    expected = oracle(args)
+    for cfg in cands:
+        _check(args, op.deferred_mm_tuned(args, config=cfg), expected)
+
+
+def _check(args, outs, expected):
+    """c within the oracle's tolerance; statistics against ``partial_stats`` of the kernel's own c up to the
+    rounding of c (quack sums y^2 before y is rounded to c's dtype)."""
+    a, b, out_norm, out_tile = args[0], args[1], args[10], args[11]
+    m, n = a.shape[0], b.shape[1]
+    c, stats = outs
+    assert c.shape == (m, n) and c.dtype == a.dtype
+    assert bool(torch.isfinite(c).all()), "c: unwritten (NaN-poisoned) or non-finite elements"
+    want, tol = expected
+    excess = (c.cpu().double() - want).abs() - tol
+    assert float(excess.max()) <= 0, f"c off by {float(excess.max())} beyond its tolerance"
+    if out_norm != NONE:
+        assert stats.shape == dk.stats_shape(m, n, out_norm, out_tile)
+        assert bool(torch.isfinite(stats).all()), "stats: unwritten (NaN-poisoned) elements"
+        ref = dk.partial_stats(c.cpu(), out_norm, out_tile)
+        rtol = 2.0**-7 if a.dtype == BF16 else 2.0**-10
+        torch.testing.assert_close(stats.cpu(), ref, rtol=rtol, atol=1e-6 * float(ref.abs().max()))
+
+
+@gpu_quack
+@pytest.mark.parametrize("case", ["full", "bare"])
+@pytest.mark.parametrize("n", [40, 264, 1024, 3000])
+@pytest.mark.parametrize("k", [64, 1000])
+@pytest.mark.parametrize("m", [257, 1000])
+def test_quack_producer(m, k, n, case, quack_only):
+    """A GEMM writing RMSNorm statistics (tiles of 128: a short last tile at 40, 264, 3000), with bias and
+    residual (b = W.t()) or bare (b row-major)."""
+    from .test_gluon_deferred_mm import make_args
+
+    full = case == "full"
+    _run_all(make_args(m, k, n, BF16, NONE, RMS, out_tile=128, bias=full, residual=full, b_t=full))
+
+
+@gpu_quack
+@pytest.mark.parametrize("case", ["full", "bare"])
+@pytest.mark.parametrize("a_norm", [RMS, LN], ids=["rms", "ln"])
+@pytest.mark.parametrize("n", [40, 264, 3000])
+@pytest.mark.parametrize("k", [64, 1000])
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+def test_quack_consumer(dtype, k, n, a_norm, case, quack_only):
+    """The norm applied from partial statistics of a in tiles of 96 (merged by kernels/merge.py), its affine
+    folded, bias and residual, or bare."""
+    from .test_gluon_deferred_mm import make_args
+
+    full = case == "full"
+    _run_all(make_args(1000, k, n, dtype, a_norm, NONE, a_tile=96, bias=full, residual=full, affine=full,
+                       b_t=full))
+
+
+@gpu_quack
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+def test_quack_layernorm_consumer_at_large_mean(dtype, quack_only):
+    from .test_gluon_deferred_mm import make_args
+
+    spread = 1.0 if dtype == F16 else 8.0
+    _run_all(make_args(257, 1000, 264, dtype, LN, NONE, mean=1000.0, spread=spread))
+
+
+@gpu_quack
+@pytest.mark.parametrize("residual", [False, True], ids=["", "res"])
+@pytest.mark.parametrize("n", [264, 1024])
+def test_quack_tower_link(n, residual, quack_only):
+    """RMSNorm applied and the next one's statistics written."""
+    from .test_gluon_deferred_mm import make_args
+
+    _run_all(make_args(257, 1000, n, BF16, RMS, RMS, a_tile=128, out_tile=128, residual=residual))
+
+
+@gpu_quack
+@pytest.mark.parametrize("norm", [RMS, LN], ids=["rms", "ln"])
+def test_merge_kernel(norm):
+    torch.manual_seed(1)
+    y = 500 + torch.randn(1000, 3000, device="cuda")
+    stats = dk.partial_stats(y, norm, 128)
+    compiled: list = []
+    for _ in range(2):  # the compiled launch too
+        s, t = row_scales(stats, 3000, 128, 1e-5, norm, compiled=compiled)
+        rs, rt = row_scales_reference(stats.cpu(), 3000, 128, 1e-5, norm)
+        torch.testing.assert_close(s.cpu(), rs, rtol=1e-5, atol=0)
+        if norm == LN:
+            torch.testing.assert_close(t.cpu(), rt, rtol=1e-5, atol=1e-6)
+    assert len(compiled) == 1
+
+
+# ---- GPU: compiled models with quack serving every deferred GEMM ---------------------------------------------
+
+
+class _RMSTower(nn.Module):
+    """linear -> (+ its input) -> RMSNorm, three times (post-norm residuals), biases."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lins = nn.ModuleList([nn.Linear(d, d) for _ in range(3)])
+        self.norms = nn.ModuleList([nn.RMSNorm(d, eps=1e-6) for _ in range(3)])
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        for lin, norm in zip(self.lins, self.norms):
+            x = norm(lin(x) + x)
+        return self.out(x)
+
+
+class _PreNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.o, self.norm = nn.Linear(d, d, bias=False), nn.RMSNorm(d, eps=1e-6)
+        self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
+
+    def forward(self, x, h):
+        x = x + self.o(h)
+        n = self.norm(x)
+        return self.q(n) * self.k(n) + self.v(n)
+
+
+class _LNChain(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(d, d), nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.b(self.norm(self.a(x)))
+
+
+def _err(out, ref):
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+@gpu_quack
+@pytest.mark.parametrize("model", ["rms_tower", "prenorm_fanout", "ln_chain"])
+def test_compiled_models_on_quack(model, monkeypatch):
+    """Gluon off and measuring off: every deferred GEMM runs quack's first candidate. Within 1.5x Inductor's
+    own error against the fp32 model (plus bf16's half unit), every quack launch counted."""
+    from fusenorm_inductor.backends import quack
+
+    launches = []
+    real = quack._Quack.deferred_launch
+
+    def spy(self, args, cfg, alloc, plan_out=None):
+        launches.append(cfg)
+        return real(self, args, cfg, alloc, plan_out)
+
+    monkeypatch.setattr(quack._Quack, "deferred_launch", spy)
+    torch.manual_seed(3)
+    d = 256
+    m = {"rms_tower": _RMSTower, "prenorm_fanout": _PreNorm, "ln_chain": _LNChain}[model](d).cuda().bfloat16()
+    inputs = [torch.randn(3, 87, d, device="cuda", dtype=BF16)]
+    if model == "prenorm_fanout":
+        inputs.append(torch.randn(3, 87, d, device="cuda", dtype=BF16))
+    ref = copy.deepcopy(m).float()(*[t.float() for t in inputs])
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ind = torch.compile(m)(*inputs)
+        torch._dynamo.reset()
+        with config.patch({"gluon": False, "quack": True, "tuning.measure": False,
+                           "patterns.linear_norm_fwd": False, "patterns.norm_linear_fwd": False}):
+            out = torch.compile(m, backend="fusenorm")(*inputs)
+            rep = fi.last_report()
+    assert [r for r in rep.rewrites if r.pattern == "deferred_norm"], rep
+    assert launches and all(isinstance(c, QuackConfig) for c in launches)
+    assert _err(out, ref) <= 1.5 * _err(ind, ref) + 2.0**-9, (_err(out, ref), _err(ind, ref))
+    assert math.isfinite(_err(out, ref))
