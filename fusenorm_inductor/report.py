@@ -79,6 +79,8 @@ class GraphReport:
     skips: list[Skip] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     dumps: dict[str, str] = field(default_factory=dict)
+    # What holds for the whole graph rather than one site (a kernel backend that could not be offered), each once.
+    notes: list[str] = field(default_factory=list)
     # Inductor served this graph from its caches, so fusenorm's passes did not run: hits counted during its
     # compile, by cache ("aot_autograd", "fx_graph"). Empty for a graph the passes ran on.
     cache_hit: dict[str, int] = field(default_factory=dict)
@@ -106,6 +108,10 @@ class GraphReport:
             Rewrite(pattern, stage, [str(n) for n in nodes], shapes, str(dtype).replace("torch.", ""), kernel, detail)
         )
         counters["fusenorm"][pattern] += 1
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
 
     def skip(self, pattern: str, stage: str, node, reason: str) -> None:
         self.skips.append(Skip(pattern, stage, str(node), reason))
@@ -150,6 +156,8 @@ class GraphReport:
             lines.append("(none)")
         for s in self.skips:
             lines.append(f"- {s.pattern} ({s.stage}) at `{s.node}`: {s.reason}{_measured(s.measure_s)}")
+        if self.notes:
+            lines += ["", "## Notes", ""] + [f"- {n}" for n in self.notes]
         if self.errors:
             lines += ["", "## Errors (the graph was left to plain Inductor)", ""]
             lines += [f"- {e}" for e in self.errors]
@@ -164,6 +172,7 @@ class GraphReport:
                 "rewrites": [asdict(r) for r in self.rewrites],
                 "skips": [asdict(s) for s in self.skips],
                 "errors": self.errors,
+                "notes": self.notes,
                 "dumps": sorted(self.dumps),
                 "cache_hit": self.cache_hit,
             },

@@ -48,7 +48,7 @@ import torch
 import torch.fx as fx
 from torch.fx import Node
 
-from fusenorm_inductor import config, fx_utils
+from fusenorm_inductor import backends, config, fx_utils
 from fusenorm_inductor.fx_utils import flat_like, val
 from fusenorm_inductor.kernels import deferred as dk
 from fusenorm_inductor.ops import deferred_norm as dops
@@ -121,6 +121,14 @@ class DeferredNorm(Pattern):
 
     def match(self, norm: Node) -> DeferredMatch:
         return self.match_in(norm, JOINT)
+
+    def apply(self, graph: fx.Graph, rep: GraphReport) -> int:
+        self.decided_on_cuda = False
+        count = super().apply(graph, rep)
+        if self.decided_on_cuda:  # the report names a kernel backend that could not be offered, once per graph
+            for name, why in backends.unavailable().items():
+                rep.note(f"kernel backend {name} not offered to deferred normalization: {why}")
+        return count
 
     def prospect(self, norm: Node, view: GraphView) -> None:
         self.match_in(norm, view)
@@ -321,6 +329,7 @@ class DeferredNorm(Pattern):
                training: bool, dgrad: int = 0, g_passes: int = 1) -> Choice:
         """``dgrad``, ``g_passes``: the deferred backward's (``Site``); dgrad 0 where the backward is not deferred."""
         xv = fx_utils.hinted(flat_like(val(args["x"]), m, n))
+        self.decided_on_cuda = getattr(self, "decided_on_cuda", False) or xv.device.type == "cuda"
         code = dops.RMS if args["is_rms"] else dops.LN
         prod = None
         if producer is not None:

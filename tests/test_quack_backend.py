@@ -335,3 +335,28 @@ def test_compiled_models_on_quack(model, monkeypatch):
     assert launches and all(isinstance(c, QuackConfig) for c in launches)
     assert _err(out, ref) <= 1.5 * _err(ind, ref) + 2.0**-9, (_err(out, ref), _err(ind, ref))
     assert math.isfinite(_err(out, ref))
+
+
+def test_report_notes_are_listed_once():
+    from fusenorm_inductor.report import GraphReport
+
+    rep = GraphReport("0/0")
+    rep.note("kernel backend quack not offered to deferred normalization: not installed")
+    rep.note("kernel backend quack not offered to deferred normalization: not installed")
+    assert rep.notes == ["kernel backend quack not offered to deferred normalization: not installed"]
+    assert "## Notes" in rep.to_markdown() and '"notes"' in rep.to_json()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_missing_backend_is_named_once_per_graph():
+    """Two deferred sites on CUDA with quack switched off: the report names quack once, as a note."""
+    torch.manual_seed(4)
+    m = _RMSTower(128).cuda().bfloat16()
+    x = torch.randn(300, 128, device="cuda", dtype=BF16)
+    torch._dynamo.reset()
+    with torch.no_grad(), config.patch({"quack": False, "tuning.measure": False, "patterns.linear_norm_fwd": False}):
+        torch.compile(m, backend="fusenorm")(x)
+        rep = fi.last_report()
+    quack_notes = [n for n in rep.notes if "quack" in n]
+    assert quack_notes == ["kernel backend quack not offered to deferred normalization: off (config.quack / "
+                           "FUSENORM_QUACK)"], rep.notes
