@@ -18,6 +18,7 @@ site is deferred at all.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -151,10 +152,18 @@ def site_choice(site: Site) -> Choice:
         why = unsupported(DeferredCase(a, b, None, residual, 0, out_norm, out_tile))
         if why is not None:
             return Choice(False, "-", f"not deferred: no kernel backend takes a GEMM of the site ({why})")
-    return _choice(site.key(), x.device, lambda: _measure_site(site), lambda: "deferred_mm's first candidates",
-                   what="Inductor's unfused site (or cuBLAS GEMMs + the norm at copy speed)",
-                   step_fn=(lambda: _measure_step(site)) if site.training else None,
-                   margin=config.tuning.margin_deferred)
+    choice = _choice(site.key(), x.device, lambda: _measure_site(site), lambda: "deferred_mm's first candidates",
+                     what="Inductor's unfused site (or cuBLAS GEMMs + the norm at copy speed)",
+                     step_fn=(lambda: _measure_step(site)) if site.training else None,
+                     margin=config.tuning.margin_deferred)
+    entry = measure.lookup(site.key()) if choice.t_fused_ms is not None else None
+    labels = entry.get("gemm_labels") if entry else None
+    if isinstance(labels, list) and labels and all(isinstance(v, str) for v in labels):
+        # every GEMM's own choice (the entry's configuration is the first GEMM's): which backend runs each
+        chosen = " + ".join(labels)
+        choice = dataclasses.replace(choice, config=chosen, reason=choice.reason.replace(f"[{choice.config}]",
+                                                                                         f"[{chosen}]"))
+    return choice
 
 
 # The compile whose training step ``_measure_step`` times: fusenorm deferring every site it can, unmeasured
@@ -285,6 +294,7 @@ def _measure_site(site: Site) -> dict:
     h_fused = None if None in hosts else sum(hosts)
     entry = measure.make_entry(best, {best: t_fused}, t_est, h_fused, ind)
     entry["candidates"] = labels
+    entry["gemm_labels"] = [c.label() for c in best_all]
     return entry
 
 
