@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from .. import config as settings
+from .. import memory
 from .base import DeferredCase, Refused
 
 __all__ = ["QUACK", "QuackConfig", "TESTED_VERSIONS"]
@@ -154,7 +155,7 @@ def _epilogue(residual: bool, stats: bool):
 
 # The dispatch compiles candidates in threads (tuning/measure.compile_ahead); quack's compiles go one at a time.
 _COMPILE_LOCK = threading.Lock()
-_CONSTANTS: dict = {}  # (length, value, device) -> fp32 vector standing in for an absent part (never written)
+_CONSTANTS: dict = memory.cache()  # (length, value, device) -> fp32 vector standing in for an absent part (never written)
 
 
 def _constant(length: int, value: float, device) -> Tensor:

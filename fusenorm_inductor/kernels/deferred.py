@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from .. import memory
 from .fold import fold_norm_affine
 
 NONE, RMS, LN = 0, 1, 2  # which norm statistics serve (the op's a_norm / out_norm)
@@ -193,7 +194,7 @@ def consumer_weight_gradient(g, dh, x, mean, w, gamma, beta, norm: int, want_wgr
 # The folds of the weights inference graphs read, by the identity and version of their inputs. An entry holds
 # its inputs, so no other tensor can take their addresses while it stands; a new version of a weight (an
 # optimizer step, load_state_dict, any in-place write) misses. Bounded: the oldest entries go first.
-_FOLDS: "OrderedDict[tuple, tuple]" = OrderedDict()
+_FOLDS: "OrderedDict[tuple, tuple]" = memory.cache(OrderedDict())
 FOLD_CACHE_SIZE = 256
 
 

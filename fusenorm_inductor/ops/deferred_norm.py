@@ -42,6 +42,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from .. import memory
 from .. import backends, graph_calls
 from .. import config as settings
 from ..backends import DeferredCase
@@ -199,7 +200,7 @@ deferred_mm.register_autograd(_backward, setup_context=_setup_context)
 # CUDA: the launch plan, else tuning's configuration and the Gluon kernel; else the reference on the GPU
 # ----------------------------------------------------------------------------------------------------------
 
-_PLANS: dict[tuple, Callable] = {}  # plan_key -> launcher (deferred_mm_cuda)
+_PLANS: dict[tuple, Callable] = memory.cache()  # plan_key -> launcher (deferred_mm_cuda)
 
 
 def deferred_mm_cuda(args: tuple, check: Callable[[], None]):

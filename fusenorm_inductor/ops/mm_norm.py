@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from .. import memory
 from .. import config as settings  # "config" names the GemmConfig here
 from .. import graph_calls
 from ..tuning import measure
@@ -180,7 +181,7 @@ mm_norm.register_autograd(_backward, setup_context=_setup_context)
 # CUDA: the launch plan, else tuning's configuration and the kernels' launcher
 # ----------------------------------------------------------------------------------------------------------
 
-_PLANS: dict[tuple, Callable] = {}  # plan_key -> launcher (mm_norm_cuda)
+_PLANS: dict[tuple, Callable] = memory.cache()  # plan_key -> launcher (mm_norm_cuda)
 
 
 def mm_norm_cuda(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype, save_normed, check):

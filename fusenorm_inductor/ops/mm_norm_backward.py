@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from .. import memory
 from .. import config as settings  # "config" names the GemmConfig here
 from .. import graph_calls
 from ..tuning import measure
@@ -125,7 +126,7 @@ mm_norm_backward.register_autograd(_no_double_backward, setup_context=lambda ctx
 # CUDA: the launch plan, else tuning's configuration and the kernels' launcher
 # ----------------------------------------------------------------------------------------------------------
 
-_PLANS: dict[tuple, Callable] = {}  # plan_key -> launcher (mm_norm_backward_cuda)
+_PLANS: dict[tuple, Callable] = memory.cache()  # plan_key -> launcher (mm_norm_backward_cuda)
 
 
 def mm_norm_backward_cuda(dy, b, extra, src, weight, mean, rstd, is_rms, src_is_normed, has_bias, dx_dtype, check):

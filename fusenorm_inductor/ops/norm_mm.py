@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from .. import memory
 from .. import config as settings  # "config" names the GemmConfig here
 from .. import graph_calls
 from ..tuning import measure
@@ -215,7 +216,7 @@ def _(x, a, mean, rstd, weight, norm_bias, is_rms):
 # CUDA: the launch plan, else tuning's configuration and the kernels' launcher
 # ----------------------------------------------------------------------------------------------------------
 
-_PLANS: dict[tuple, Callable] = {}  # plan_key -> launcher (norm_mm_cuda)
+_PLANS: dict[tuple, Callable] = memory.cache()  # plan_key -> launcher (norm_mm_cuda)
 
 
 def norm_mm_cuda(a, b, bias, weight, norm_bias, eps, is_rms, out_dtype, check):

@@ -52,7 +52,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from .. import config
+from .. import config, memory
 
 CACHE_VERSION = 1
 _memo: dict[tuple, dict] = {}  # in-process cache: key -> entry (as stored on disk)
@@ -78,7 +78,9 @@ def add_spent(part: str, seconds: float) -> None:
 
 
 def clear_memory() -> None:
-    """Forget in-process results and which problems were warned about (the disk cache stays); tests use it."""
+    """Forget in-process results, the launch plans and caches made from them (``memory``), and which problems
+    were warned about (the disk cache stays); tests use it."""
+    memory.clear()
     _memo.clear()
     _misses.clear()
     _warned.clear()

@@ -57,6 +57,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from ... import memory
 from . import launch as L
 from ._compat import (
     fence_async_shared,
@@ -727,7 +728,7 @@ class Plan:
         L.run(self.compiled, self.grid, self._descriptors(descs) + rest + self.consts, 4)
 
 
-_PLANS: dict = {}
+_PLANS: dict = memory.cache()
 
 
 def _launch(key: tuple, make, descs: tuple, rest: tuple) -> None:
