@@ -2,6 +2,7 @@
 
 - kernels/ (every GPU kernel and its launcher) imports nothing from ops/, tuning/, patterns/ or backends/;
 - backends/ (the kernel libraries behind one interface) imports nothing from ops/, tuning/ or patterns/;
+- kernels/hopper (the Gluon kernels) imports nothing from kernels/triton (the ``tl`` kernels);
 - ops/ (the custom ops) and tuning/ (timing, cache, decisions) import nothing from patterns/;
 - config.py imports nothing of fusenorm's (it holds data; the passes register their hook with it);
 - no import cycle between modules, counting imports inside functions too (a lazy import only delays a cycle);
@@ -94,6 +95,14 @@ def test_layers_import_only_below(layer):
     bad = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() if _layer(m) == layer
                  for d in deps if _layer(d) in FORBIDDEN[layer])
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_gluon_kernels_do_not_import_the_tl_kernels():
+    """kernels/hopper takes what both families share from kernels/gemm_config.py, not from kernels/triton."""
+    hopper = f"{PACKAGE}.kernels.hopper"
+    bad = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() if m.startswith(hopper)
+                 for d in deps if d.startswith(f"{PACKAGE}.kernels.triton"))
+    assert not bad, "\n".join(bad)
 
 
 def test_config_holds_data_only():

@@ -757,7 +757,7 @@ def config_of(entry: dict):
     """The entry's configuration (kernels/triton's GemmConfig, or a backend's own: backends.config_from);
     ValueError (saying what is wrong) when its "config" does not make one."""
     from ..backends import config_from
-    from ..kernels.triton.common import GemmConfig
+    from ..kernels.gemm_config import GemmConfig
 
     cfg = entry.get("config")
     if not isinstance(cfg, (list, tuple)):

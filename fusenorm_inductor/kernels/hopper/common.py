@@ -122,7 +122,7 @@ def pow2_tile(n: int) -> int:
 def fit_config(kind: str, bm: int, bn: int, bk: int, stages: int, warps: int, staging: int):
     """The config with the most stages (down to 2) that fits shared memory with ``staging`` staging tiles;
     None when none does."""
-    from ..triton.common import GemmConfig
+    from ..gemm_config import GemmConfig
 
     for st in range(stages, 1, -1):
         if L.smem_bytes(bm, bn, bk, st, staging) <= L.SMEM_LIMIT:

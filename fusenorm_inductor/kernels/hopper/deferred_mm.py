@@ -44,7 +44,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..triton.common import num_sms
+from ..gemm_config import num_sms
 from . import launch as L
 from ._compat import constexpr_function, gl, gluon, mbarrier, smem_read_fence, thread_barrier, tma, tma_load
 from . import pair_core
@@ -687,7 +687,7 @@ def offline_variants() -> list[dict]:
 
 
 def compile_variant(v: dict):
-    from ..triton.common import GemmConfig
+    from ..gemm_config import GemmConfig
 
     flags = {f: x for f, x in OFFLINE_FLAGS[v["flags"]].items() if f != "b_kn"}
     return compile_offline(GemmConfig(*v["config"]), v["n"], v["k"], out_tile=v["out_tile"], b_kn=v["b_kn"], **flags)

@@ -74,7 +74,7 @@ from ._compat import (
 from .common import LOAD_REGS, MMA_REGS, descriptor, refuse_spills
 from .cpu_compile import compile_sm90, descriptor_type, runtime_attrs
 from .gemm_core import mma_layout
-from ..triton.common import num_sms
+from ..gemm_config import num_sms
 
 __all__ = ["Plan", "gdpa_fwd_gluon", "gdpa_bwd_gluon", "fna_attention_gluon", "fna_block_gluon", "unsupported", "misaligned",
            "backward_unsupported", "choose_config", "fna_flags"]

@@ -65,7 +65,7 @@ def max_active_clusters(compiled, cluster: int, device: torch.device) -> int:
 
 
 def _query_active_clusters(compiled, cluster: int, device: torch.device) -> int:
-    from ..triton.common import num_sms
+    from ..gemm_config import num_sms
 
     fallback = max(1, num_sms(device) // cluster)
     try:

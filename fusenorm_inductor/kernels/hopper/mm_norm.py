@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..triton.common import num_sms
+from ..gemm_config import num_sms
 from . import launch as L
 from ._compat import (
     bulk_store_drain,
@@ -624,7 +624,7 @@ def offline_variants() -> list[dict]:
 
 
 def compile_variant(v: dict):
-    from ..triton.common import GemmConfig
+    from ..gemm_config import GemmConfig
 
     return compile_offline(GemmConfig(*v["config"]), v["n"], 512, save_normed=v["save_normed"],
                            gemm_only=v["gemm_only"], b_kn=v["b_kn"], **OFFLINE_FLAGS[v["flags"]])

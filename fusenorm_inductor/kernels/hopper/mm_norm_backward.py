@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..triton.common import num_sms
+from ..gemm_config import num_sms
 from . import launch as L
 from ._compat import (cluster_arrive, cluster_wait, gl, gluon, mbarrier, smem_read_fence, thread_barrier,
                       tma, tma_load)
@@ -261,7 +261,7 @@ _REDUCE_BYTES = 2 * CHUNK.value
 def _fit_bwd(kind: str, bm: int, bn: int, bk: int, stages: int, warps: int):
     """The config with the most stages (down to 2) that fits shared memory with one staging tile per
     consumer and the column sums' scratch; None when none does."""
-    from ..triton.common import GemmConfig
+    from ..gemm_config import GemmConfig
 
     staging = 2 if kind == "gl_pp" else 1
     for st in range(stages, 1, -1):
@@ -447,6 +447,6 @@ def offline_variants() -> list[dict]:
 
 
 def compile_variant(v: dict):
-    from ..triton.common import GemmConfig
+    from ..gemm_config import GemmConfig
 
     return compile_offline(GemmConfig(*v["config"]), v["n"], 512, **OFFLINE_FLAGS[v["flags"]])

@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..triton.common import num_sms
+from ..gemm_config import num_sms
 from . import launch as L
 from ._compat import gl, gluon, tma
 from .common import (
@@ -249,6 +249,6 @@ def offline_variants() -> list[dict]:
 
 
 def compile_variant(v: dict):
-    from ..triton.common import GemmConfig
+    from ..gemm_config import GemmConfig
 
     return compile_offline(GemmConfig(*v["config"]), v["n"], v["k"], b_kn=v["b_kn"], **OFFLINE_FLAGS[v["flags"]])

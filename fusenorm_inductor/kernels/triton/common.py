@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from ..gemm_config import GemmConfig, num_sms  # noqa: F401 - shared with the Gluon kernels (kernels/hopper)
+
 
 
 @triton.jit
@@ -141,51 +143,6 @@ def single_tile(n: int) -> bool:
 MULTI_BLOCK_N = 128  # N tile of the multi-tile path (128 x 128 tiles, the usual Hopper GEMM tile)
 FINALIZE_ELEMS = 4096  # elements per program of the elementwise finalize kernels (8 warps: 16 per thread)
 FINALIZE_WARPS = 8
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few persistent programs, so the persistent loops are exercised
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-class GemmConfig(NamedTuple):
-    """One configuration of a fused GEMM kernel (what ``tuning`` times, caches and reports).
-
-    kind: "row"  TMA-fed persistent kernel, one tile holds whole rows (N <= TMA_MAX_BLOCK_N);
-          "coop" TMA-fed persistent kernel, rows span N tiles, the last tile of a row block to finish
-                 normalizes it (cooperative finalize in L2);
-          "spin" the same kernel, but the tiles of a row block wait for each other's row partials and each
-                 normalizes itself from registers (needs every program resident: one per SM at most);
-          "ptr"  masked pointer loads, any strides and dtypes (single tile, or GEMM + finalize kernel);
-          "tma"  (pre-norm, norm_mm_kernels.py) TMA-fed persistent GEMM over [M, N] tiles, row statistics
-                 from the A tiles of every tile;
-          "tma_rows" (pre-norm) the same GEMM, each program taking whole row blocks: statistics from the
-                 first N tile's A tiles only.
-    progs_per_sm: persistent programs per SM (2 lets one program's epilogue overlap another's loads).
-    prefetch: (backward) load the saved tensor's tile before the K loop, so its latency hides under the GEMM
-              (costs registers across the loop).
-    stats_regs: (deferred GEMM) the output's partial statistics summed in registers from the values as stored,
-                instead of read back from the staging tile (no second pass over it; more registers live).
-    """
-
-    kind: str
-    block_m: int
-    block_n: int
-    block_k: int
-    stages: int
-    warps: int
-    progs_per_sm: int = 1
-    prefetch: bool = False
-    stats_regs: bool = False
-
-    def label(self) -> str:
-        per_sm = f" x{self.progs_per_sm}" if self.progs_per_sm != 1 else ""
-        pf = " pf" if self.prefetch else ""
-        rs = " rs" if self.stats_regs else ""
-        return (f"{self.kind} {self.block_m}x{self.block_n}x{self.block_k} s{self.stages} w{self.warps}"
-                f"{per_sm}{pf}{rs}")
 
 
 SMEM_BUDGET = 220 * 1024  # of the H100/H200's 227 KiB per block, leaving room for reductions
