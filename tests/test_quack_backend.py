@@ -372,3 +372,15 @@ def test_a_missing_backend_is_named_once_per_graph():
     quack_notes = [n for n in rep.notes if "quack" in n]
     assert quack_notes == ["kernel backend quack not offered to deferred normalization: off (config.quack / "
                            "FUSENORM_QUACK)"], rep.notes
+
+
+def test_epilogue_forms_read_only_what_they_need():
+    """The lean forms where they fit (no vector loaded for nothing), the general affine elsewhere."""
+    from fusenorm_inductor.backends.quack import _FNS, _form
+
+    assert _form(RMS, False, False, False) == "scale" and _FNS["scale"][1] == ("s",)
+    assert _form(NONE, False, False, True) == "stats" and _FNS["stats"][1] == ()
+    assert _form(NONE, True, False, True) == "bias_stats"
+    assert _form(LN, False, False, False) == "general"  # LayerNorm's rank-1 term
+    assert _form(RMS, True, False, False) == "general"
+    assert _form(RMS, False, True, True) == "general_residual_stats"

@@ -86,8 +86,8 @@ def _sm90(tile):
     return [_cfg(128, tile, 2, 1, True), _cfg(256, tile, 2, 1, False), _cfg(128, tile, 1, 2, True)]
 
 
-_SM90_PLAIN = [_cfg(128, 192, 2, 1, True), _cfg(256, 128, 2, 1, False), _cfg(128, 128, 2, 1, True),
-               _cfg(256, 192, 2, 1, False)]
+_SM90_PLAIN = [_cfg(128, 192, 2, 1, True), _cfg(128, 128, 1, 2, True), _cfg(128, 192, 1, 2, True),
+               _cfg(128, 128, 2, 1, True), _cfg(256, 128, 2, 1, False)]
 _ARCH = {
     9: ((128, 160, 192, 208), _sm90, _SM90_PLAIN),
     10: ((128, 256), lambda t: [_cfg(256, t, 2, 1, False, 10, True)], [_cfg(256, 256, 2, 1, False, 10, True)]),
@@ -138,19 +138,46 @@ def _apply_residual_stats(acc, c, s, t, wg, wb):
     return {"D": y, "sq": (y, y)}
 
 
-_FNS = {(False, False): _apply, (False, True): _apply_stats, (True, False): _apply_residual,
-        (True, True): _apply_residual_stats}
+# The lean forms of the commonest GEMMs load no vector they do not need: RMSNorm applied without a bias, and
+# statistics written with or without a bias and no residual.
+def _scale(acc, s):
+    return {"D": acc * s}
+
+
+def _stats(acc):
+    return {"D": acc, "sq": (acc, acc)}
+
+
+def _bias_stats(acc, wb):
+    y = acc + wb
+    return {"D": y, "sq": (y, y)}
+
+
+# form -> (function, the vector operands it reads)
+_GENERAL = ("s", "t", "wg", "wb")
+_FNS = {"general": (_apply, _GENERAL), "general_stats": (_apply_stats, _GENERAL),
+        "general_residual": (_apply_residual, _GENERAL), "general_residual_stats": (_apply_residual_stats, _GENERAL),
+        "scale": (_scale, ("s",)), "stats": (_stats, ()), "bias_stats": (_bias_stats, ("wb",))}
+
+
+def _form(a_norm: int, bias: bool, residual: bool, stats: bool) -> str:
+    if not residual and a_norm == 1 and not bias and not stats:
+        return "scale"
+    if not residual and a_norm == 0 and stats:
+        return "bias_stats" if bias else "stats"
+    return "general" + ("_residual" if residual else "") + ("_stats" if stats else "")
 
 
 @functools.cache
-def _epilogue(residual: bool, stats: bool):
+def _epilogue(form: str):
     """The quack epilogue object for this form, made once (quack keys its kernels by the function's source)."""
     from quack.epilogue.frontend import gemm_epilogue
     from quack.epilogue.ops import ColVecLoad, ColVecReduce, RowVecLoad
 
-    ops = {"s": ColVecLoad("s"), "t": ColVecLoad("t"), "wg": RowVecLoad("wg"), "wb": RowVecLoad("wb")}
-    reduces = {"sq": ColVecReduce("sq", scaled=True)} if stats else None
-    return gemm_epilogue(ops=ops, reduces=reduces)(_FNS[(residual, stats)])
+    fn, names = _FNS[form]
+    ops = {n: (ColVecLoad(n) if n in ("s", "t") else RowVecLoad(n)) for n in names}
+    reduces = {"sq": ColVecReduce("sq", scaled=True)} if form.endswith("stats") else None
+    return gemm_epilogue(ops=ops or None, reduces=reduces)(fn)
 
 
 # The dispatch compiles candidates in threads (tuning/measure.compile_ahead); quack's compiles go one at a time.
@@ -248,8 +275,11 @@ class _Quack:
         dtype = a.dtype
         fold = deferred.fold_cuda(a_norm)
         merge: list = []  # the merge kernel, compiled for this signature on the first call
+        has_bias = bias is not None or (a_norm != deferred.NONE and norm_bias is not None)  # the fold's bias'
+        form = _form(a_norm, has_bias, residual is not None, out_norm != deferred.NONE)
+        names = _FNS[form][1]
         try:
-            epi = _epilogue(residual is not None, out_norm != deferred.NONE)
+            epi = _epilogue(form)
             qcfg = config.to_quack()
         except Exception as e:  # noqa: BLE001 - quack's epilogue surface refused the form
             raise Refused(f"{config.label()}: {type(e).__name__}: {e}") from e
@@ -260,11 +290,15 @@ class _Quack:
                 s, t = row_scales(a_stats, k, a_tile, a_eps, a_norm, alloc, merge)
             else:
                 s, t = _constant(m, 1.0, dev), None
+            if (bias_f is not None) != has_bias:  # the form was chosen for the other case: never drop a bias
+                raise RuntimeError(f"quack backend: form {form!r} chosen for bias={has_bias}, the fold gave "
+                                   f"{'one' if bias_f is not None else 'none'}")
             wb = _constant(n, 0.0, dev) if bias_f is None else bias_f
             if wb.dtype != torch.float32:
                 wb = wb.float()
             ops = {"s": s, "t": t if t is not None else _constant(m, 0.0, dev),
                    "wg": colsum if colsum is not None else _constant(n, 0.0, dev), "wb": wb}
+            ops = {k: v for k, v in ops.items() if k in names}
             if out_norm != deferred.NONE:
                 ops["sq"] = stats[0]
             return b_f, ops
