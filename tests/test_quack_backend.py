@@ -88,6 +88,7 @@ def _refusals(case):
     assert QUACK.deferred_unsupported(case()) is None
     assert QUACK.deferred_unsupported(case(out_norm=RMS, out_tile=128)) is None
     assert "LayerNorm statistics" in QUACK.deferred_unsupported(case(out_norm=LN, out_tile=128))
+    assert "applying LayerNorm" in QUACK.deferred_unsupported(case(a_norm=LN))
     assert "tiles" in QUACK.deferred_unsupported(case(out_norm=RMS, out_tile=64))
     rows = torch.empty(3, 256, device="cuda")
     res = torch.empty(256, 128, dtype=BF16, device="cuda")
@@ -149,8 +150,13 @@ def test_row_scales_reference_is_the_merge(norm):
 
 @pytest.fixture
 def quack_only(monkeypatch):
-    """NaN-poisoned outputs; the reference may not run (a launch that fell back would pass unseen)."""
+    """NaN-poisoned outputs; the reference may not run (a launch that fell back would pass unseen). The op-level
+    tests apply LayerNorm on quack too (``APPLY_LAYERNORM``, off in the product)."""
+    from fusenorm_inductor.backends import quack
+
     from .kernel_cases import nan_alloc
+
+    monkeypatch.setattr(quack, "APPLY_LAYERNORM", True)
 
     monkeypatch.setattr(op, "_alloc", nan_alloc)
 
@@ -309,8 +315,12 @@ def _err(out, ref):
     return float((out.float() - ref).norm() / ref.norm())
 
 
+_LN_OPEN = pytest.mark.xfail(strict=True, reason="quack applying LayerNorm in this compiled block came out 20% off "
+                                                  "(H100, 2026-12-07): why is open, APPLY_LAYERNORM stays off")
+
+
 @gpu_quack
-@pytest.mark.parametrize("model", ["rms_tower", "prenorm_fanout", "ln_prenorm"])
+@pytest.mark.parametrize("model", ["rms_tower", "prenorm_fanout", pytest.param("ln_prenorm", marks=_LN_OPEN)])
 def test_compiled_models_on_quack(model, monkeypatch):
     """Gluon off and measuring off: every deferred GEMM runs quack's first candidate (the models' producers are
     GEMMs writing RMSNorm statistics or pointwise code: quack writes no LayerNorm statistics). Within 1.5x
@@ -325,6 +335,7 @@ def test_compiled_models_on_quack(model, monkeypatch):
         return real(self, args, cfg, alloc, plan_out)
 
     monkeypatch.setattr(quack._Quack, "deferred_launch", spy)
+    monkeypatch.setattr(quack, "APPLY_LAYERNORM", True)
     torch.manual_seed(3)
     d = 256
     m = {"rms_tower": _RMSTower, "prenorm_fanout": _PreNorm, "ln_prenorm": _LNPreNorm}[model](d).cuda().bfloat16()

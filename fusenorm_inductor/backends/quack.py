@@ -17,8 +17,8 @@ arithmetic covers every form the op takes here, with vectors standing in for abs
   before its rounding (the Gluon kernel sums c as stored: the two differ by bf16 rounding, well inside
   the norm's tolerance).
 
-Not taken (the report says so, and the Gluon kernel or Inductor serves the GEMM): LayerNorm output
-statistics (quack's reduces are plain sums; the sum of squares loses the variance at large |mean| / std,
+Not taken (the report says so, and the Gluon kernel or Inductor serves the GEMM): LayerNorm applied
+(``APPLY_LAYERNORM``: an unexplained error in a compiled pre-norm block), LayerNorm output statistics (quack's reduces are plain sums; the sum of squares loses the variance at large |mean| / std,
 where the op's tile (mean, M2) partials do not), the backward's per-row residual terms (``res_rows``),
 operands that are not 16-bit, dims not multiples of 8, strides without a unit dim. Configurations are
 chosen by the dispatch's own timing (tuning/deferred_norm.py), never by quack's autotuner: nothing is tuned
@@ -44,6 +44,10 @@ from .base import DeferredCase, Refused
 __all__ = ["QUACK", "QuackConfig", "TESTED_VERSIONS"]
 
 TESTED_VERSIONS = ("0.6.4",)
+# LayerNorm applied by quack's GEMMs: correct in the op's own tests (tests/test_quack_backend.py, |mean| / std up
+# to 1000), but a compiled pre-norm block (LayerNorm of a residual sum at |mean| / std = 100, read by two
+# linears) came out 20% off an fp32 reference where Inductor's was 0.4% (H100): off until that is explained.
+APPLY_LAYERNORM = False
 KIND = "quack"
 HALF = (torch.float16, torch.bfloat16)
 
@@ -239,6 +243,8 @@ class _Quack:
             return f"no quack GEMM for sm_{''.join(map(str, torch.cuda.get_device_capability(a.device)))}"
         if case.res_rows is not None:
             return "the backward's per-row residual terms are not expressed in its epilogues"
+        if case.a_norm == 2 and not APPLY_LAYERNORM:
+            return "applying LayerNorm: off until a compiled pre-norm block's error is explained (APPLY_LAYERNORM)"
         if case.out_norm == 2:
             return ("LayerNorm statistics: its reduces are plain sums, and a sum of squares loses the variance "
                     "at large |mean| / std")
