@@ -56,7 +56,9 @@ from fusenorm_inductor.ops.norm_mm import normed
 from fusenorm_inductor.report import GraphReport
 from fusenorm_inductor.tuning.decide import Choice
 from fusenorm_inductor.tuning.norm_mm import prenorm_norm_ms
-from fusenorm_inductor.tuning.deferred_norm import Site, dgrad_unsupported, fp32_output_gemm, site_choice, stats_tile
+from fusenorm_inductor.tuning.deferred_norm import Consumer, Site, dgrad_unsupported, fp32_output_gemm, site_choice, \
+    stats_tile
+from fusenorm_inductor.tuning.deferred_norm import Producer as SiteProducer
 
 from .base import Pattern, bind_op_args, getitem_users, is_op, require
 from .post_norm import FLOATS
@@ -336,14 +338,15 @@ class DeferredNorm(Pattern):
             res = flat_like(val(producer.residual), xv.shape[0], n) if producer.residual is not None else None
             if producer.gemm is not None:
                 av, bv, biasv = view.gemm_values(producer.gemm)
-                prod = (fx_utils.hinted(av), bv, biasv, res, None, None, None, 0.0, dops.NONE, 0)
+                prod = SiteProducer(fx_utils.hinted(av), bv, biasv, res)
             else:
                 d = bind_op_args(producer.deferred)
-                prod = tuple(val(d[k]) if isinstance(d[k], Node) else d[k] for k in
-                             ("a", "b", "bias", "residual", "a_stats", "norm_weight", "norm_bias"))
-                prod = (fx_utils.hinted(prod[0]),) + prod[1:3] + (res if res is not None else prod[3],) + prod[4:] + \
-                    (d["a_eps"], d["a_norm"], d["a_tile"])
-        cons = [view.gemm_values(g)[1:] for _, g in consumers]
+                t = {k: val(d[k]) if isinstance(d[k], Node) else d[k] for k in
+                     ("a", "b", "bias", "residual", "a_stats", "norm_weight", "norm_bias")}
+                prod = SiteProducer(fx_utils.hinted(t["a"]), t["b"], t["bias"],
+                                    res if res is not None else t["residual"], t["a_stats"], t["norm_weight"],
+                                    t["norm_bias"], d["a_eps"], d["a_norm"], d["a_tile"])
+        cons = [Consumer(*view.gemm_values(g)[1:]) for _, g in consumers]
         site = Site(xv, prod, cons, val(args["weight"]), val(args["bias"]), args["eps"], code, n_wgrads,
                     cache=_cache_fold(training), dgrad=dgrad, g_passes=g_passes, training=training)
         return site_choice(site)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from ..backends import DeferredCase
 from . import baseline, measure
 from .decide import Choice, _choice
 
-__all__ = ["deferred_candidates", "deferred_config", "deferred_key", "dgrad_unsupported", "fp32_output_gemm",
+__all__ = ["Consumer", "Producer", "Site", "deferred_candidates", "deferred_config", "deferred_key", "dgrad_unsupported", "fp32_output_gemm",
            "site_choice", "stats_tile", "unsupported"]
 
 STATS_TILE = 128  # the narrowest N tile the Gluon candidates use where rows are wider than it
@@ -105,10 +105,36 @@ def deferred_config(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps
 # ----------------------------------------------------------------------------------------------------------
 
 
+class Producer(NamedTuple):
+    """What the producer of a site's statistics is: the GEMM ``a @ b`` (+ ``bias``) (+ ``residual``) whose
+    epilogue writes them, and, where it is itself a link of a tower, the norm it applies to ``a`` (its partial
+    statistics ``a_stats``, affine, eps, code ``a_norm`` and statistics tile ``a_tile``; none: ``a_norm`` 0).
+    Its first ten fields are ``fusenorm::deferred_mm``'s first ten arguments, in their order."""
+
+    a: Tensor
+    b: Tensor
+    bias: Optional[Tensor] = None
+    residual: Optional[Tensor] = None
+    a_stats: Optional[Tensor] = None
+    norm_weight: Optional[Tensor] = None
+    norm_bias: Optional[Tensor] = None
+    a_eps: float = 0.0
+    a_norm: int = 0
+    a_tile: int = 0
+
+
+class Consumer(NamedTuple):
+    """A GEMM of a site that applies the norm to what it reads: its weight operand ``b`` [N, N2] (the norm's
+    affine is folded into it) and bias."""
+
+    b: Tensor
+    bias: Optional[Tensor] = None
+
+
 class Site:
     """One norm site as the decision sees it (example values; fake ones at compile time):
-    ``producer``: the deferred_mm arguments of the GEMM whose epilogue writes the statistics (None where the
-    norm's input comes from pointwise code), ``consumers``: (b, bias) of each GEMM that applies the norm,
+    ``producer``: the ``Producer`` of the statistics (None where the norm's input comes from pointwise code),
+    ``consumers``: the ``Consumer`` GEMMs that apply the norm,
     ``x``: the norm's input [M, N]; the norm's (weight, bias, eps, code); ``wgrads``: weight gradients that
     read norm(x) rebuilt in the backward (training); ``cache``: whether the fold is kept between calls;
     ``dgrad``: training with the norm's backward deferred too, the width of its input-gradient GEMM's operand
@@ -120,16 +146,20 @@ class Site:
 
     def __init__(self, x, producer, consumers, weight, norm_bias, eps, norm, wgrads, cache, dgrad=0, g_passes=1,
                  training=False):
-        self.x, self.producer, self.consumers = x, producer, consumers
+        self.x = x
+        self.producer = None if producer is None else Producer(*producer)
+        self.consumers = [Consumer(*c) for c in consumers]
         self.weight, self.norm_bias, self.eps, self.norm = weight, norm_bias, eps, norm
         self.wgrads, self.cache, self.dgrad, self.g_passes = wgrads, cache, dgrad, g_passes
         self.training = training
 
     def key(self) -> tuple:
         p = self.producer
-        prod = None if p is None else tuple(measure.spec(t, rows=i == 0) for i, t in enumerate(p[:5])) + tuple(p[7:9])
+        prod = None if p is None else (
+            measure.spec(p.a, rows=True), measure.spec(p.b), measure.spec(p.bias), measure.spec(p.residual),
+            measure.spec(p.a_stats), p.a_eps, p.a_norm)
         return ("deferred_site", self.x.device, measure.spec(self.x, rows=True), prod,
-                tuple((measure.spec(b), measure.spec(bias)) for b, bias in self.consumers),
+                tuple((measure.spec(c.b), measure.spec(c.bias)) for c in self.consumers),
                 measure.spec(self.weight), measure.spec(self.norm_bias), int(self.norm), int(self.wgrads),
                 bool(self.cache), int(self.dgrad), int(self.g_passes), bool(self.training))
 
@@ -145,9 +175,9 @@ def site_choice(site: Site) -> Choice:
     if not on_cuda:
         return Choice(True, f"{x.device.type} reference", f"fused (not measured on {x.device.type.upper()})")
     tile = stats_tile(x.shape[1])
-    gemms = [(x, b, None, 0, 0) for b, _ in site.consumers]
+    gemms = [(x, c.b, None, 0, 0) for c in site.consumers]
     if site.producer is not None:
-        gemms.append((site.producer[0], site.producer[1], site.producer[3], site.norm, tile))
+        gemms.append((site.producer.a, site.producer.b, site.producer.residual, site.norm, tile))
     for a, b, residual, out_norm, out_tile in gemms:
         why = unsupported(DeferredCase(a, b, None, residual, 0, out_norm, out_tile))
         if why is not None:
@@ -183,10 +213,11 @@ def _measure_step(site: Site) -> dict:
     like = measure.RealInputs.like
     with measure.RealInputs():
         if site.producer is not None:
-            a, b, bias, residual = measure.real_gemm_operands(*site.producer[:4])
+            p = site.producer
+            a, b, bias, residual = measure.real_gemm_operands(p.a, p.b, p.bias, p.residual)
         else:  # the norm's input from pointwise code: an add, into which Inductor fuses the statistics' reduction
             a, b, bias, residual = like(site.x, dev), None, None, like(site.x, dev)
-        consumers = [tuple(measure.real_gemm_operands(site.x, cb, cbias)[1:]) for cb, cbias in site.consumers]
+        consumers = [tuple(measure.real_gemm_operands(site.x, c.b, c.bias)[1:]) for c in site.consumers]
         weight, norm_bias = like(site.weight, dev), like(site.norm_bias, dev)
     fn, inputs = baseline.norm_site_fn(a, b, bias, residual, weight, norm_bias, site.eps, site.norm == 1, consumers,
                                        with_y=False)
@@ -217,13 +248,14 @@ def _measure_site(site: Site) -> dict:
         stats = op.partial_stats(rx, norm, tile)
         calls: list[tuple] = []
         if site.producer is not None:
-            a, b, bias, residual, _, nw, nb, a_eps, a_norm, a_tile = site.producer[:10]
-            ra, rb, rbias, rres = measure.real_gemm_operands(a, b, bias, residual)
+            p = site.producer
+            nw, nb, a_eps, a_norm, a_tile = p.norm_weight, p.norm_bias, p.a_eps, p.a_norm, p.a_tile
+            ra, rb, rbias, rres = measure.real_gemm_operands(p.a, p.b, p.bias, p.residual)
             ra_stats = op.partial_stats(ra, a_norm, a_tile) if a_norm else None
             calls.append((ra, rb, rbias, rres, ra_stats, like(nw, dev), like(nb, dev), a_eps, a_norm, a_tile, norm,
                           tile, site.cache, None))
-        for b, bias in site.consumers:
-            _, rb, rbias = measure.real_gemm_operands(x, b, bias)
+        for cons in site.consumers:
+            _, rb, rbias = measure.real_gemm_operands(x, cons.b, cons.bias)
             calls.append((rx, rb, rbias, None, stats, rw, rnb, site.eps, norm, tile, 0, 0, site.cache, None))
         if site.dgrad:
             # the backward's GEMM of the consumers' scaled gradients, the norm's backward in its epilogue
@@ -249,7 +281,7 @@ def _measure_site(site: Site) -> dict:
         # What the unfused norm adds to the GEMMs, in [M, N] passes at copy speed: after a GEMM, a kernel that
         # reads x and writes n (with a residual add, it reads the GEMM's output and the residual and writes x
         # too); after pointwise code, the write of n, in the kernel that computes x anyway.
-        passes = 1 if site.producer is None else (4 if site.producer[3] is not None else 2)
+        passes = 1 if site.producer is None else (4 if site.producer.residual is not None else 2)
         t_norm = measure.norm_proxy_ms(m, n, x.dtype, passes, x.device)
         t_bwd = 0.0  # what the unfused backward pays that the fused one does not run at all
         if site.dgrad:
@@ -257,11 +289,11 @@ def _measure_site(site: Site) -> dict:
             # gradients); the unfused side runs cuBLAS's input-gradient GEMMs and the norm's backward kernel
             # (read dy and x, write dx: three passes).
             t_extra = measure.norm_proxy_ms(m, site.dgrad, x.dtype, site.g_passes, x.device)
-            if t_extra is not None and site.producer is not None and site.producer[2] is not None:
+            if t_extra is not None and site.producer is not None and site.producer.bias is not None:
                 # the producer's bias gradient, a column sum of dx: its own pass over the GEMM's output, where
                 # Inductor's norm backward may sum it in the kernel that writes dx
                 t_extra += measure.norm_proxy_ms(m, n, x.dtype, 1, x.device)
-            t_bwd = measure.plus(sum(measure.gemm_ms(*gemm(b.shape[1]), None) for b, _ in site.consumers),
+            t_bwd = measure.plus(sum(measure.gemm_ms(*gemm(c.b.shape[1]), None) for c in site.consumers),
                                  measure.norm_proxy_ms(m, n, x.dtype, 3, x.device))
         else:
             # norm(x) rebuilt in the backward for the weight gradients: one write, fused into the norm's backward
