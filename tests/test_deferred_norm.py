@@ -839,7 +839,8 @@ def test_site_measurement_plumbing(monkeypatch, tmp_path):
     monkeypatch.setattr(measure, "norm_proxy_ms", lambda *a: 0.5)
     monkeypatch.setattr(measure, "fused_host_us", lambda launch, gpu_ms=None: 7.0)
     monkeypatch.setattr(baseline, "enabled", lambda device: False)
-    monkeypatch.setattr(tuning, "deferred_candidates", lambda a, b, out_tile, residual=None, res_rows=None, out_norm=None: cands)
+    monkeypatch.setattr(tuning, "deferred_candidates",
+                        lambda a, b, out_tile, residual=None, res_rows=None, out_norm=None, a_norm=0: cands)
     monkeypatch.setattr(kd, "launch", fake_launch)
     measure.clear_memory()
     a, wp, res = torch.randn(300, 48), torch.randn(48, 40), torch.randn(300, 40)
@@ -919,7 +920,8 @@ def test_site_forward_timed_in_turn_with_inductors_site(monkeypatch):
     monkeypatch.setattr(measure, "fused_host_us", lambda launch, gpu_ms=None: 7.0)
     monkeypatch.setattr(baseline, "enabled", lambda device: True)
     monkeypatch.setattr(baseline, "time_compiled", fake_compiled)
-    monkeypatch.setattr(tuning, "deferred_candidates", lambda a, b, out_tile, residual=None, res_rows=None, out_norm=None: cands)
+    monkeypatch.setattr(tuning, "deferred_candidates",
+                        lambda a, b, out_tile, residual=None, res_rows=None, out_norm=None, a_norm=0: cands)
     monkeypatch.setattr(kd, "launch", fake_launch)
     measure.clear_memory()
     a, wp, x = torch.randn(300, 48), torch.randn(48, 40), torch.randn(300, 40)

@@ -117,6 +117,19 @@ def test_registry_pools_candidates_and_joins_reasons(monkeypatch):
         backends.backend_of(("mystery", 1))
 
 
+def test_the_dispatch_asks_the_backends_with_the_norm_each_gemm_applies(monkeypatch):
+    """A consumer's case carries the norm it applies (quack refuses LayerNorm applied: ``APPLY_LAYERNORM``), a
+    producer's the norm whose statistics it writes."""
+    from fusenorm_inductor.tuning import deferred_norm as tuning
+
+    seen = []
+    monkeypatch.setattr(backends, "deferred_candidates", lambda case: seen.append(case) or ["c"])
+    a, b = torch.empty(8, 16), torch.empty(16, 24)
+    tuning.deferred_candidates(a, b, 0, a_norm=LN)
+    tuning.deferred_candidates(a, b, 128, out_norm=RMS)
+    assert (seen[0].a_norm, seen[0].out_norm) == (LN, NONE) and (seen[1].a_norm, seen[1].out_norm) == (NONE, RMS)
+
+
 def test_quack_configuration_round_trips_through_the_cache():
     cfg = QuackConfig("quack", 256, 128, 2, 1, False, 9, False, 0, 0)
     entry = measure.make_entry(cfg, {cfg: 1.0}, 2.0)

@@ -275,7 +275,7 @@ class _Quack:
 
         a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile, out_norm, out_tile, cache, \
             rows = args
-        if rows is not None or out_norm == deferred.LN:
+        if rows is not None or out_norm == deferred.LN or (a_norm == deferred.LN and not APPLY_LAYERNORM):
             raise Refused(f"{config.label()}: " + (self.deferred_unsupported(DeferredCase.of(args)) or "refused"))
         m, k, n, dev = a.shape[0], a.shape[1], b.shape[1], a.device
         dtype = a.dtype

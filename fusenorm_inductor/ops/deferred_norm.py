@@ -42,8 +42,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from .. import memory
-from .. import backends, graph_calls
+from .. import backends, graph_calls, memory
 from .. import config as settings
 from ..backends import DeferredCase
 from ..kernels.deferred import LN, NONE, RMS, applied, folded, merge_stats, partial_stats, stats_shape
@@ -240,7 +239,7 @@ def deferred_mm_tuned(args: tuple, config=None, plan_out: Optional[list] = None)
     backend = backends.backend_of(config)
     if backend.deferred_unsupported(DeferredCase.of(args)) is not None:
         # the cached choice's backend is gone (switched off, not installed in this process): another's first
-        config = tuning.deferred_candidates(a, b, args[11], args[3], args[13], args[10])[0]
+        config = tuning.deferred_candidates(a, b, args[11], args[3], args[13], args[10], args[8])[0]
         backend = backends.backend_of(config)
     try:
         return backend.deferred_launch(args, config, _alloc, plan_out)

@@ -76,12 +76,12 @@ def fp32_output_gemm(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def deferred_candidates(a: Tensor, b: Tensor, out_tile: int, residual: Optional[Tensor] = None,
-                        res_rows: Optional[Tensor] = None, out_norm: Optional[int] = None) -> list:
+                        res_rows: Optional[Tensor] = None, out_norm: Optional[int] = None, a_norm: int = 0) -> list:
     """Every backend's candidates for this GEMM (``out_norm``: the norm its statistics serve, RMSNorm where a
-    tile is given and no norm is named)."""
+    tile is given and no norm is named; ``a_norm``: the norm it applies to a)."""
     if out_norm is None:
         out_norm = 1 if out_tile else 0
-    return backends.deferred_candidates(DeferredCase(a, b, None, residual, 0, out_norm, out_tile, res_rows))
+    return backends.deferred_candidates(DeferredCase(a, b, None, residual, a_norm, out_norm, out_tile, res_rows))
 
 
 def deferred_key(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_norm, out_norm, out_tile, res_rows=None
@@ -97,7 +97,7 @@ def deferred_config(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps
     return measure.tuned_config(
         deferred_key(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_norm, out_norm, out_tile, res_rows),
         a.device,
-        lambda: deferred_candidates(a, b, out_tile, residual, res_rows, out_norm))
+        lambda: deferred_candidates(a, b, out_tile, residual, res_rows, out_norm, a_norm))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -175,11 +175,12 @@ def site_choice(site: Site) -> Choice:
     if not on_cuda:
         return Choice(True, f"{x.device.type} reference", f"fused (not measured on {x.device.type.upper()})")
     tile = stats_tile(x.shape[1])
-    gemms = [(x, c.b, None, 0, 0) for c in site.consumers]
+    gemms = [(x, c.b, None, site.norm, 0, 0) for c in site.consumers]
     if site.producer is not None:
-        gemms.append((site.producer.a, site.producer.b, site.producer.residual, site.norm, tile))
-    for a, b, residual, out_norm, out_tile in gemms:
-        why = unsupported(DeferredCase(a, b, None, residual, 0, out_norm, out_tile))
+        p = site.producer
+        gemms.append((p.a, p.b, p.residual, p.a_norm, site.norm, tile))
+    for a, b, residual, a_norm, out_norm, out_tile in gemms:
+        why = unsupported(DeferredCase(a, b, None, residual, a_norm, out_norm, out_tile))
         if why is not None:
             return Choice(False, "-", f"not deferred: no kernel backend takes a GEMM of the site ({why})")
     choice = _choice(site.key(), x.device, lambda: _measure_site(site), lambda: "deferred_mm's first candidates",
@@ -265,7 +266,7 @@ def _measure_site(site: Site) -> dict:
         for args in calls:
             key = deferred_key(*args[:7], args[8], args[10], args[11], args[13])
             best, times = measure.time_candidates(
-                deferred_candidates(args[0], args[1], args[11], args[3], args[13], args[10]), _planned(args))
+                deferred_candidates(args[0], args[1], args[11], args[3], args[13], args[10], args[8]), _planned(args))
             measure.store(key, measure.make_launch_entry(best, times), bucket=True)
             times_best.append(times[best])
             best_all.append(best)
