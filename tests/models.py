@@ -62,6 +62,19 @@ class Norm(nn.Module):
         return self.impl(h)
 
 
+class LayerNormOfSum(nn.Module):
+    """LayerNorm of a residual sum (pointwise code: its statistics an aten reduction Inductor compiles) read by
+    two linears."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.a, self.b = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x, h):
+        n = self.norm(x + h)
+        return self.a(n) * self.b(n)
+
+
 class PostNormBlock(nn.Module):
     """``linear -> [+ residual] -> norm [-> linear]``, the post-norm shapes the fusion targets."""
 

@@ -1036,26 +1036,15 @@ def test_inference_site_goes_to_whichever_saves_more(monkeypatch, pre_norm_fused
         assert any(r.pattern == "deferred_norm" for r in rep.rewrites)
 
 
-class _LNOfSum(nn.Module):
-    """LayerNorm of a residual sum (pointwise code: its statistics an aten reduction Inductor compiles) read by
-    two linears."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.norm, self.a, self.b = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d)
-
-    def forward(self, x, h):
-        n = self.norm(x + h)
-        return self.a(n) * self.b(n)
-
-
 @pytest.mark.skipif(not _CUDA, reason="needs a CUDA GPU")
 def test_pointwise_layernorm_at_a_large_mean_on_cuda():
     """The block that came out 20% off with quack applying LayerNorm (tests/test_quack_backend.py), on the
     Gluon kernels (quack off, measuring off: deferred): within 1.5x Inductor's own error against the fp32 model,
     so the statistics Inductor compiles for a pointwise producer are right on the GPU at |mean| / std = 100."""
     torch.manual_seed(3)
-    m = _LNOfSum(256).cuda().bfloat16()
+    from .models import LayerNormOfSum
+
+    m = LayerNormOfSum(256).cuda().bfloat16()
     x = torch.randn(3, 87, 256, device="cuda", dtype=torch.bfloat16) * 4 + 400
     h = torch.randn(3, 87, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():

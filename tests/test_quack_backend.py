@@ -34,6 +34,8 @@ from fusenorm_inductor.kernels.merge import row_scales, row_scales_reference  # 
 from fusenorm_inductor.ops import deferred_norm as op  # noqa: E402
 from fusenorm_inductor.tuning import measure  # noqa: E402
 
+from .models import LayerNormOfSum  # noqa: E402
+
 NONE, RMS, LN = dk.NONE, dk.RMS, dk.LN
 BF16, F16 = torch.bfloat16, torch.float16
 _QUACK = QUACK.unavailable() is None
@@ -312,18 +314,6 @@ class _PreNorm(nn.Module):
         return self.q(n) * self.k(n) + self.v(n)
 
 
-class _LNPreNorm(nn.Module):
-    """LayerNorm of a residual sum (pointwise: its statistics an aten reduction) read by two linears."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.norm, self.a, self.b = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d)
-
-    def forward(self, x, h):
-        n = self.norm(x + h)
-        return self.a(n) * self.b(n)
-
-
 def _err(out, ref):
     return float((out.float() - ref).norm() / ref.norm())
 
@@ -351,7 +341,7 @@ def test_compiled_models_on_quack(model, monkeypatch):
     monkeypatch.setattr(quack, "APPLY_LAYERNORM", True)
     torch.manual_seed(3)
     d = 256
-    m = {"rms_tower": _RMSTower, "prenorm_fanout": _PreNorm, "ln_prenorm": _LNPreNorm}[model](d).cuda().bfloat16()
+    m = {"rms_tower": _RMSTower, "prenorm_fanout": _PreNorm, "ln_prenorm": LayerNormOfSum}[model](d).cuda().bfloat16()
     inputs = [torch.randn(3, 87, d, device="cuda", dtype=BF16)]
     if model != "rms_tower":
         inputs.append(torch.randn(3, 87, d, device="cuda", dtype=BF16))

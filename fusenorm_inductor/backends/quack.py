@@ -290,7 +290,7 @@ class _Quack:
         except Exception as e:  # noqa: BLE001 - quack's epilogue surface refused the form
             raise Refused(f"{config.label()}: {type(e).__name__}: {e}") from e
 
-        def operands(b, bias, a_stats, norm_weight, norm_bias, c, stats):
+        def operands(b, bias, a_stats, norm_weight, norm_bias, stats):
             b_f, bias_f, colsum = deferred.cached_fold(b, bias, norm_weight, norm_bias, a_norm, cache, fold)
             if a_norm != deferred.NONE:
                 s, t = row_scales(a_stats, k, a_tile, a_eps, a_norm, alloc, merge)
@@ -312,7 +312,7 @@ class _Quack:
         shape = deferred.stats_shape(m, n, out_norm, out_tile)
         c = alloc((m, n), dtype, dev)
         stats = alloc(shape, torch.float32, dev)
-        b_f, ops = operands(b, bias, a_stats, norm_weight, norm_bias, c, stats)
+        b_f, ops = operands(b, bias, a_stats, norm_weight, norm_bias, stats)
         try:
             with _COMPILE_LOCK:
                 plan = epi.plan(a, b_f, residual, out={"D": c}, config=qcfg, **ops)
@@ -324,7 +324,7 @@ class _Quack:
                 a, b, bias, residual, a_stats, norm_weight, norm_bias = call[:7]
                 c = alloc((m, n), dtype, dev)
                 stats = alloc(shape, torch.float32, dev)
-                b_f, ops = operands(b, bias, a_stats, norm_weight, norm_bias, c, stats)
+                b_f, ops = operands(b, bias, a_stats, norm_weight, norm_bias, stats)
                 plan.run(a, b_f, residual, out={"D": c}, **ops)
                 return c, stats
 
