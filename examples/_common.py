@@ -50,6 +50,14 @@ def pick_device(dtype: Optional[str] = None, device: Optional[str] = None) -> tu
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU is available")
     default = "bfloat16" if device == "cuda" else "float32"
+    if device == "cpu":
+        import fusenorm_inductor
+
+        # On the CPU fusenorm leaves graphs to Inductor unless told otherwise; the examples rewrite them there
+        # to show the rewrites at work (their reference implementations: correct, not fast).
+        fusenorm_inductor.config.cpu_reference = True
+        print("CPU run: config.cpu_reference = True (fusenorm's rewrites run their reference implementations; "
+              "without it a CPU graph compiles as plain Inductor's)")
     return device, getattr(torch, dtype or default)
 
 

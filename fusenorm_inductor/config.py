@@ -187,6 +187,14 @@ class tuning:
     compile_threads: int = 1
 
 
+# Graphs whose tensors are all on the CPU: fusenorm's fused ops have no CPU kernels, only their plain-torch
+# reference implementations, which run slower than Inductor's own code. Off (the default), such a graph is
+# compiled exactly as plain Inductor compiles it, and the match report lists what would be rewritten on a
+# GPU. On, the rewrites happen and the references run (the tests and the CPU runs of the examples use it to
+# check the rewritten graphs).
+cpu_reference: bool = Config(default=_env_bool("FUSENORM_CPU_REFERENCE", False))
+
+
 # When a pass raises, log a warning and leave the graph to plain Inductor (the graph is restored from a
 # copy taken before the pass). Tests set this to False to see the error.
 fallback_on_error: bool = Config(default=_env_bool("FUSENORM_FALLBACK_ON_ERROR", True))

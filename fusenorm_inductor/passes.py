@@ -91,6 +91,9 @@ class FusenormPass(CustomGraphPass):
             return
 
         rep = report.for_stage(self.stage)
+        if not config.cpu_reference and _cpu_only(graph):
+            _preview_on_cpu(self.stage, graph, rep)
+            return
         dumps_before = _debug_aid(lambda: _render_parts(graph, self.stage), "graph dump", rep) if config.debug_dir else None
         backup = _copy_graph(graph) if config.fallback_on_error else None
         recorded = (len(rep.rewrites), len(rep.skips))
@@ -142,6 +145,50 @@ class FusenormPass(CustomGraphPass):
     def uuid(self) -> Any:
         # Source of every pass, pattern and op, plus the config: any change compiles afresh.
         return (self.stage, get_hash_for_files(_source_files()).hex(), config.get_hash().hex())
+
+
+def _cpu_only(graph: fx.Graph) -> bool:
+    """Whether the graph's example tensors are all on the CPU (and it has some)."""
+    devices = set()
+    for node in graph.nodes:
+        value = node.meta.get("example_value", node.meta.get("val"))
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            device = getattr(t, "device", None)
+            if device is not None:
+                devices.add(device.type)
+    return devices == {"cpu"}
+
+
+CPU_NOTE = ("all tensors on the CPU: the graph is left to plain Inductor (fusenorm's fused ops have no CPU kernels; "
+            "config.cpu_reference / FUSENORM_CPU_REFERENCE=1 runs their reference implementations instead)")
+
+
+def _preview_on_cpu(stage: str, graph: fx.Graph, rep: report.GraphReport) -> None:
+    """A CPU graph without ``config.cpu_reference``: the pre-grad stage runs for the report only (what it would
+    rewrite, and which joint-graph fusion would take each norm it keeps: patterns/prospects.py), then the graph
+    is put back as it came, so Inductor compiles the user's graph as without fusenorm; the joint stage then
+    finds nothing of fusenorm's and leaves its graph alone."""
+    if stage != "pre_grad":
+        return
+    from .patterns import PATTERN_NAMES, run_stage
+    from .patterns.prospects import PROSPECT_KEY
+
+    backup = _copy_graph(graph)
+    recorded = (len(rep.rewrites), len(rep.skips))
+    lines = []
+    try:
+        run_stage(stage, graph, rep)
+        lines = [f"{r.pattern}: nodes {', '.join(r.nodes)}" for r in rep.rewrites[recorded[0]:]
+                 if r.pattern in PATTERN_NAMES and not r.pattern.startswith("canonical_")]
+        lines += ["{}: the norm {}".format(*n.meta[PROSPECT_KEY]) for n in graph.nodes if PROSPECT_KEY in n.meta]
+    except Exception as e:  # the preview is a report: a failure in it leaves the graph to Inductor all the same
+        rep.note(f"what would be rewritten on a GPU is unknown: the preview failed ({type(e).__name__}: {e})")
+    finally:
+        _restore_graph(graph, backup)
+        rep.rollback(*recorded)
+    for line in lines:
+        rep.preview(line)
+    rep.note(CPU_NOTE)
 
 
 def _debug_aid(fn: Callable[[], Any], what: str, rep: report.GraphReport) -> Any:

@@ -81,6 +81,8 @@ class GraphReport:
     dumps: dict[str, str] = field(default_factory=dict)
     # What holds for the whole graph rather than one site (a kernel backend that could not be offered), each once.
     notes: list[str] = field(default_factory=list)
+    # A graph left to Inductor on the CPU (config.cpu_reference off): what fusenorm would rewrite on a GPU.
+    on_gpu: list[str] = field(default_factory=list)
     # Inductor served this graph from its caches, so fusenorm's passes did not run: hits counted during its
     # compile, by cache ("aot_autograd", "fx_graph"). Empty for a graph the passes ran on.
     cache_hit: dict[str, int] = field(default_factory=dict)
@@ -108,6 +110,10 @@ class GraphReport:
             Rewrite(pattern, stage, [str(n) for n in nodes], shapes, str(dtype).replace("torch.", ""), kernel, detail)
         )
         counters["fusenorm"][pattern] += 1
+
+    def preview(self, text: str) -> None:
+        if text not in self.on_gpu:
+            self.on_gpu.append(text)
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -156,6 +162,8 @@ class GraphReport:
             lines.append("(none)")
         for s in self.skips:
             lines.append(f"- {s.pattern} ({s.stage}) at `{s.node}`: {s.reason}{_measured(s.measure_s)}")
+        if self.on_gpu:
+            lines += ["", "## Would be rewritten on a GPU", ""] + [f"- {n}" for n in self.on_gpu]
         if self.notes:
             lines += ["", "## Notes", ""] + [f"- {n}" for n in self.notes]
         if self.errors:
@@ -173,6 +181,7 @@ class GraphReport:
                 "skips": [asdict(s) for s in self.skips],
                 "errors": self.errors,
                 "notes": self.notes,
+                "on_gpu": self.on_gpu,
                 "dumps": sorted(self.dumps),
                 "cache_hit": self.cache_hit,
             },

@@ -33,6 +33,7 @@ from .canonical_norms import REVERT_KEY, Original
 from .views import TorchView
 
 NORM = torch.ops.fusenorm.norm.default
+PROSPECT_KEY = "fusenorm_prospect"  # node meta: the joint-graph fusion that would take this canonical norm
 
 
 class NormProspects(Pattern):
@@ -79,10 +80,19 @@ class NormProspects(Pattern):
                 continue
             try:
                 pattern.prospect(op, view)
+                # for the report of a graph left to Inductor (passes.py): the fusion, and the norm as traced
+                op.meta[PROSPECT_KEY] = (pattern.name, _traced_name(orig.end))
                 return []
             except Reject as r:
                 reasons.append((pattern.name, str(r)))
         return reasons
+
+
+def _traced_name(node: Node) -> str:
+    """The node's name, with the module it came from where Dynamo recorded one."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0] if stack else None
+    return f"{node.name} (module {path})" if path else node.name
 
 
 def _revert(graph: fx.Graph, op: Node, orig: Original, moved: dict[Node, Node]) -> bool:

@@ -12,6 +12,8 @@
 import os
 
 os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+# The CPU runs check the rewritten graphs: fusenorm's reference ops in them (by default a CPU graph is Inductor's).
+os.environ.setdefault("FUSENORM_CPU_REFERENCE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

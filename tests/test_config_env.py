@@ -38,6 +38,7 @@ BOOL_OPTIONS = {
     "tuning.measure_inductor": ("FUSENORM_TUNE_INDUCTOR", True),
     "tuning.agree_across_ranks": ("FUSENORM_AGREE_ACROSS_RANKS", True),
     "fallback_on_error": ("FUSENORM_FALLBACK_ON_ERROR", True),
+    "cpu_reference": ("FUSENORM_CPU_REFERENCE", False),
 }
 STR_OPTIONS = ["debug_dir", "tuning.cache_dir"]
 TRUE_SPELLINGS = ["1", "true", "True", "TRUE", "yes", "Yes", " on ", "ON", "\ttrue\n"]
