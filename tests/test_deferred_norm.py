@@ -1057,4 +1057,8 @@ def test_pointwise_layernorm_at_a_large_mean_on_cuda():
     def err(o):
         return float((o.float() - ref).norm() / ref.norm())
 
-    assert err(out) <= 1.5 * err(ind) + 2.0**-9, (err(out), err(ind))
+    # Eager rounds x + h to bf16 before the LayerNorm, and so does the deferred norm's stored input: the bar is
+    # the larger of eager's and Inductor's errors (Inductor's fused kernel keeps the sum in fp32)
+    with torch.no_grad():
+        eager = m(x, h)
+    assert err(out) <= 1.5 * max(err(ind), err(eager)) + 2.0**-9, (err(out), err(ind), err(eager))

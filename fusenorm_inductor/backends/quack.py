@@ -12,14 +12,16 @@ arithmetic covers every form the op takes here, with vectors standing in for abs
   from the input's partial statistics, merged in one launch (kernels/merge.py); wg = the folded weight's
   column sums (LayerNorm), wb = the folded bias (kernels/fold.py, kept per weight version like the Gluon
   path's); without a norm s = 1, t = 0, wg = 0 and wb = the bias or 0 (constant vectors, made once);
-- the output statistics (``out_norm`` RMSNorm): quack's partials are per CTA tile of ``tile_n`` columns, so
-  only configurations whose ``tile_n`` is the op's ``out_tile`` write them; they are summed from y in fp32
-  before its rounding (the Gluon kernel sums c as stored: the two differ by bf16 rounding, well inside
-  the norm's tolerance).
+- the output statistics (``out_norm``): quack's partials are per CTA tile of ``tile_n`` columns, so only
+  configurations whose ``tile_n`` is the op's ``out_tile`` write them. RMSNorm's: each tile's sum of y^2.
+  LayerNorm's: each tile's mean (quack's accumulator prepass, a grouped statistic with one group per tile),
+  then the sum of squared deviations from it: the op's (mean, M2) partials, stable at any |mean| / std (a
+  plain sum of squares would lose the variance there). Both are of y in fp32 before its rounding (the
+  Gluon kernel's are of c as stored: the two differ by c's rounding, which an fp32 reference favours).
 
 Not taken (the report says so, and the Gluon kernel or Inductor serves the GEMM): LayerNorm applied
-(``APPLY_LAYERNORM``: an unexplained error in a compiled pre-norm block), LayerNorm output statistics (quack's reduces are plain sums; the sum of squares loses the variance at large |mean| / std,
-where the op's tile (mean, M2) partials do not), the backward's per-row residual terms (``res_rows``),
+LayerNorm statistics where N is not whole tiles, with a residual (quack's prepass does not read C) or before
+sm_90 (no prepass), the backward's per-row residual terms (``res_rows``),
 operands that are not 16-bit, dims not multiples of 8, strides without a unit dim. Configurations are
 chosen by the dispatch's own timing (tuning/deferred_norm.py), never by quack's autotuner: nothing is tuned
 or compiled inside a user's step that the decision did not already run.
@@ -44,11 +46,12 @@ from .base import DeferredCase, Refused
 __all__ = ["QUACK", "QuackConfig", "TESTED_VERSIONS"]
 
 TESTED_VERSIONS = ("0.6.4",)
-# LayerNorm applied by quack's GEMMs: correct in the op's own tests (tests/test_quack_backend.py, |mean| / std up
-# to 1000), but a compiled pre-norm block (LayerNorm of a residual sum at |mean| / std = 100, read by two
-# linears) came out 20% off an fp32 reference where Inductor's was 0.4% (H100): off until that is explained.
-APPLY_LAYERNORM = False
+# LayerNorm applied by quack's GEMMs. A compiled pre-norm block at |mean| / std = 100 that came out 20% off an fp32
+# reference did so on the Gluon kernel and in eager too: the residual sum is stored in bf16 before the norm
+# reads it (tests/test_quack_backend.py compares against the larger of eager's and Inductor's errors).
+APPLY_LAYERNORM = True
 KIND = "quack"
+PREPASS_ARCHS = (9, 10, 12)  # quack's accumulator prepass (LayerNorm's tile means)
 HALF = (torch.float16, torch.bfloat16)
 
 
@@ -157,19 +160,74 @@ def _bias_stats(acc, wb):
     return {"D": y, "sq": (y, y)}
 
 
-# form -> (function, the vector operands it reads)
+# LayerNorm's statistics: each tile's mean first (a prepass over the accumulator, quack's grouped statistics
+# with one group per tile, written out as the tile mean), then the squared deviations from it summed: the
+# op's (tile mean, M2) partials, which keep the variance at any |mean| / std. The prepass repeats the
+# epilogue's arithmetic: the statistics are of y itself.
+def _ln_stats(acc, mu):
+    d = acc - mu
+    return {"D": acc, "m2": (d, d)}
+
+
+def _ln_stats_pre(acc):
+    return {"mu": acc}
+
+
+def _bias_ln_stats(acc, mu, wb):
+    y = acc + wb
+    d = y - mu
+    return {"D": y, "m2": (d, d)}
+
+
+def _bias_ln_stats_pre(acc, wb):
+    return {"mu": acc + wb}
+
+
+def _apply_ln_stats(acc, mu, s, t, wg, wb):
+    y = acc * s - t * wg + wb
+    d = y - mu
+    return {"D": y, "m2": (d, d)}
+
+
+def _apply_ln_stats_pre(acc, s, t, wg, wb):
+    return {"mu": acc * s - t * wg + wb}
+
+
+# form -> (function, the vector operands it reads, the LayerNorm statistics' prepass or None)
 _GENERAL = ("s", "t", "wg", "wb")
-_FNS = {"general": (_apply, _GENERAL), "general_stats": (_apply_stats, _GENERAL),
-        "general_residual": (_apply_residual, _GENERAL), "general_residual_stats": (_apply_residual_stats, _GENERAL),
-        "scale": (_scale, ("s",)), "stats": (_stats, ()), "bias_stats": (_bias_stats, ("wb",))}
+_FNS = {"general": (_apply, _GENERAL, None), "general_stats": (_apply_stats, _GENERAL, None),
+        "general_residual": (_apply_residual, _GENERAL, None),
+        "general_residual_stats": (_apply_residual_stats, _GENERAL, None),
+        "scale": (_scale, ("s",), None), "stats": (_stats, (), None), "bias_stats": (_bias_stats, ("wb",), None),
+        "ln_stats": (_ln_stats, (), _ln_stats_pre), "bias_ln_stats": (_bias_ln_stats, ("wb",), _bias_ln_stats_pre),
+        "general_ln_stats": (_apply_ln_stats, _GENERAL, _apply_ln_stats_pre)}
 
 
-def _form(a_norm: int, bias: bool, residual: bool, stats: bool) -> str:
+def _form(a_norm: int, bias: bool, residual: bool, stats: int) -> str:
+    """The epilogue for a GEMM applying ``a_norm`` and writing statistics for ``stats`` (0 none, 1 RMSNorm,
+    2 LayerNorm)."""
+    suffix = {0: "", 1: "_stats", 2: "_ln_stats"}[int(stats)]
     if not residual and a_norm == 1 and not bias and not stats:
         return "scale"
     if not residual and a_norm == 0 and stats:
-        return "bias_stats" if bias else "stats"
-    return "general" + ("_residual" if residual else "") + ("_stats" if stats else "")
+        return ("bias_" if bias else "") + suffix[1:]
+    return "general" + ("_residual" if residual else "") + suffix
+
+
+@functools.cache
+def _tile_mean():
+    """quack's grouped prepass statistic finalized as a mean (one group per statistics tile), made once: the
+    class needs the CUTLASS DSL, which only an installed quack brings."""
+    import cutlass.cute as cute
+    from cutlass import const_expr
+    from quack.epilogue.ops import GroupedColStatsBase
+
+    class TileMean(GroupedColStatsBase):
+        @cute.jit
+        def stat_value(self, total, group_cols):
+            return total * const_expr(1.0 / group_cols)
+
+    return TileMean("mu")
 
 
 @functools.cache
@@ -178,8 +236,12 @@ def _epilogue(form: str):
     from quack.epilogue.frontend import gemm_epilogue
     from quack.epilogue.ops import ColVecLoad, ColVecReduce, RowVecLoad
 
-    fn, names = _FNS[form]
+    fn, names, prepass = _FNS[form]
     ops = {n: (ColVecLoad(n) if n in ("s", "t") else RowVecLoad(n)) for n in names}
+    if prepass is not None:
+        mean = _tile_mean()
+        return gemm_epilogue(ops={**ops, "mu": mean}, reduces={"m2": ColVecReduce("m2", scaled=True)},
+                             prepass=prepass, prepass_outs=("mu",), extra_ops=(mean.out("mean"),))(fn)
     reduces = {"sq": ColVecReduce("sq", scaled=True)} if form.endswith("stats") else None
     return gemm_epilogue(ops=ops or None, reduces=reduces)(fn)
 
@@ -245,11 +307,16 @@ class _Quack:
             return "the backward's per-row residual terms are not expressed in its epilogues"
         if case.a_norm == 2 and not APPLY_LAYERNORM:
             return "applying LayerNorm: off until a compiled pre-norm block's error is explained (APPLY_LAYERNORM)"
-        if case.out_norm == 2:
-            return ("LayerNorm statistics: its reduces are plain sums, and a sum of squares loses the variance "
-                    "at large |mean| / std")
         if case.out_norm and case.out_tile not in arch[0]:
             return f"statistics tiles of {case.out_tile} columns: its tiles are {arch[0]} wide"
+        if case.out_norm == 2:
+            if torch.cuda.get_device_capability(a.device)[0] not in PREPASS_ARCHS:
+                return "LayerNorm statistics: its accumulator prepass (the tile mean) is sm_90 and newer"
+            if case.residual is not None:
+                return "LayerNorm statistics of a sum with a residual: its accumulator prepass does not read C"
+            if case.b.shape[1] % case.out_tile:
+                return (f"LayerNorm statistics at N = {case.b.shape[1]}: its tile means need whole tiles of "
+                        f"{case.out_tile} columns")
         if a.dtype not in HALF or b.dtype != a.dtype:
             return f"operands {a.dtype}/{b.dtype}: fp16 or bf16 only"
         k, n = b.shape
@@ -275,14 +342,14 @@ class _Quack:
 
         a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile, out_norm, out_tile, cache, \
             rows = args
-        if rows is not None or out_norm == deferred.LN or (a_norm == deferred.LN and not APPLY_LAYERNORM):
+        if rows is not None or (a_norm == deferred.LN and not APPLY_LAYERNORM):
             raise Refused(f"{config.label()}: " + (self.deferred_unsupported(DeferredCase.of(args)) or "refused"))
         m, k, n, dev = a.shape[0], a.shape[1], b.shape[1], a.device
         dtype = a.dtype
         fold = deferred.fold_cuda(a_norm)
         merge: list = []  # the merge kernel, compiled for this signature on the first call
         has_bias = bias is not None or (a_norm != deferred.NONE and norm_bias is not None)  # the fold's bias'
-        form = _form(a_norm, has_bias, residual is not None, out_norm != deferred.NONE)
+        form = _form(a_norm, has_bias, residual is not None, out_norm)
         names = _FNS[form][1]
         try:
             epi = _epilogue(form)
@@ -305,8 +372,10 @@ class _Quack:
             ops = {"s": s, "t": t if t is not None else _constant(m, 0.0, dev),
                    "wg": colsum if colsum is not None else _constant(n, 0.0, dev), "wb": wb}
             ops = {k: v for k, v in ops.items() if k in names}
-            if out_norm != deferred.NONE:
+            if out_norm == deferred.RMS:
                 ops["sq"] = stats[0]
+            elif out_norm == deferred.LN:  # the tile means, then the squared deviations from them
+                ops.update(mu=out_tile, mean=stats[0], m2=stats[1])
             return b_f, ops
 
         shape = deferred.stats_shape(m, n, out_norm, out_tile)
