@@ -8,7 +8,8 @@ against ``merge_stats``.
 GPU with quack installed (skipped otherwise; run on the GPU machine): ``fusenorm::deferred_mm`` through every
 quack candidate against the CPU reference (``oracle`` of test_gluon_deferred_mm: 16-bit tolerances plus an
 fp32 dot-product allowance), outputs NaN-poisoned, no silent fallback to the reference: producers writing
-RMSNorm statistics (odd M, N with a short last tile, bias and residual or bare), consumers applying RMSNorm and
+RMSNorm statistics (odd M, N with a short last tile, bias and residual or bare), producers and links writing
+LayerNorm statistics at |mean| / std ~ 300 (against float64 statistics of y), consumers applying RMSNorm and
 LayerNorm (LayerNorm at |mean| / std = 1000 in fp16, 125 in bf16), links of an RMSNorm tower; the merge kernel
 against its torch form; and compiled models with the Gluon kernels switched off (quack serves every deferred
 GEMM): an RMSNorm tower with 3-D input, bias and a post-norm residual, a pre-norm block with q/k/v fan-out, and
@@ -135,8 +136,8 @@ def test_registry_pools_candidates_and_joins_reasons(monkeypatch):
 
 
 def test_the_dispatch_asks_the_backends_with_the_norm_each_gemm_applies(monkeypatch):
-    """A consumer's case carries the norm it applies (quack refuses LayerNorm applied: ``APPLY_LAYERNORM``), a
-    producer's the norm whose statistics it writes."""
+    """A consumer's case carries the norm it applies, a producer's the norm whose statistics it writes (a backend
+    refuses by either: quack refuses LayerNorm statistics of a sum with a residual)."""
     from fusenorm_inductor.tuning import deferred_norm as tuning
 
     seen = []
@@ -180,13 +181,8 @@ def test_row_scales_reference_is_the_merge(norm):
 
 @pytest.fixture
 def quack_only(monkeypatch):
-    """NaN-poisoned outputs; the reference may not run (a launch that fell back would pass unseen). The op-level
-    tests apply LayerNorm on quack too (``APPLY_LAYERNORM``, off in the product)."""
-    from fusenorm_inductor.backends import quack
-
+    """NaN-poisoned outputs; the reference may not run (a launch that fell back would pass unseen)."""
     from .kernel_cases import nan_alloc
-
-    monkeypatch.setattr(quack, "APPLY_LAYERNORM", True)
 
     monkeypatch.setattr(op, "_alloc", nan_alloc)
 
@@ -387,7 +383,6 @@ def test_compiled_models_on_quack(model, monkeypatch):
         return real(self, args, cfg, alloc, plan_out)
 
     monkeypatch.setattr(quack._Quack, "deferred_launch", spy)
-    monkeypatch.setattr(quack, "APPLY_LAYERNORM", True)
     torch.manual_seed(3)
     d = 256
     m = {"rms_tower": _RMSTower, "prenorm_fanout": _PreNorm, "ln_prenorm": LayerNormOfSum}[model](d).cuda().bfloat16()
