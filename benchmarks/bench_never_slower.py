@@ -1,0 +1,182 @@
+"""Never slower: a grid of post-norm, pre-norm and chain sites, in inference and training, compiled by fusenorm and
+by Inductor, with a second, independent Inductor compile (the A/A) beside each, timed as users run them.
+
+Each point is one small model: ``post`` linear -> LayerNorm (the norm's output is the model's), ``pre``
+LayerNorm -> linear, ``chain`` linear -> RMSNorm -> GELU -> linear (``--norms`` adds the other norm to each).
+Training times the whole step (forward, a loss, backward). Timing: plain calls, no CUDA graphs, so each
+compile's host cost counts; ``--calls`` calls between two CUDA events, in rounds whose order rotates, medians
+over the rounds. Per point: ``speedup`` (median over rounds of t_inductor / t_fusenorm), ``aa`` (t_inductor /
+t_aa), ``slower``: the speedup below 1 by more than the A/A's own distance from 1. The summary gives the worst
+speedup and how many points were slower. What fusenorm fused is read from its match reports.
+
+    python benchmarks/bench_never_slower.py --out benchmarks/results/never_slower_h100.json
+    python benchmarks/bench_never_slower.py --dry-run     # CPU, tiny shapes: exercises the code only
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+KINDS = ("post", "pre", "chain")
+MODES = ("infer", "train")
+NORM_OF = {"post": "ln", "pre": "ln", "chain": "rms"}
+SHAPES = "256x256,384x768,512x512,1024x1024,2048x2048"
+ROWS = "32768,262144"
+DRY = {"shapes": "32x48", "rows": "64", "rounds": 2, "calls": 1}
+
+
+class Site(nn.Module):
+    def __init__(self, kind: str, norm: str, k: int, n: int, device, dtype):
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.kind = kind
+        width = k if kind == "pre" else n
+        self.norm = nn.LayerNorm(width, **kw) if norm == "ln" else nn.RMSNorm(width, eps=1e-6, **kw)
+        self.a = nn.Linear(k, n, **kw)
+        self.b = nn.Linear(n, n, **kw) if kind == "chain" else None
+        with torch.no_grad():  # an affine that is not the identity
+            self.norm.weight.normal_(1.0, 0.1)
+
+    def forward(self, x):
+        if self.kind == "pre":
+            return self.a(self.norm(x))
+        h = self.norm(self.a(x))
+        return self.b(F.gelu(h)) if self.kind == "chain" else h
+
+
+def points(args) -> list[dict]:
+    norms = common.choices(args.parser, "--norms", args.norms, ("default", "ln", "rms")) if args.norms else ["default"]
+    out = []
+    for kind in common.choices(args.parser, "--kinds", args.kinds, KINDS):
+        for norm in [NORM_OF[kind] if n == "default" else n for n in norms]:
+            for shape in args.shapes.split(","):
+                k, n = (int(v) for v in shape.split("x"))
+                for m in (int(v) for v in args.rows.split(",")):
+                    for mode in common.choices(args.parser, "--modes", args.modes, MODES):
+                        out.append({"kind": kind, "norm": norm, "K": k, "N": n, "M": m, "mode": mode})
+    return out
+
+
+def _call(cm, model, x, mode: str):
+    if mode == "infer":
+        def infer():
+            with torch.no_grad():
+                return cm(x)
+        return infer
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = cm(x).float().square().mean()
+        loss.backward()
+        return loss.detach()
+    return step
+
+
+def measure_point(p: dict, args, device: str, dtype) -> dict:
+    import fusenorm_inductor as fi
+
+    torch.manual_seed(0)
+    base = Site(p["kind"], p["norm"], p["K"], p["N"], device, dtype)
+    x = torch.randn(p["M"], p["K"], device=device, dtype=dtype)
+    row = dict(p)
+    fns, reps = {}, []
+    for name in ("inductor", "fusenorm", "inductor_aa"):
+        model = common.own_code(copy.deepcopy(base))
+        fi.report.clear()
+        t0 = time.perf_counter()
+        cm = torch.compile(model, backend="fusenorm" if name == "fusenorm" else "inductor", dynamic=False)
+        fn = _call(cm, model, x, p["mode"])
+        fn()
+        common.sync() if device == "cuda" else None
+        row[f"compile_{name}_s"] = time.perf_counter() - t0
+        if name == "fusenorm":
+            reps = fi.reports()
+        fns[name] = fn
+    row.update({k: v for k, v in common.fused_patterns(reps).items() if k in ("fused", "fusenorm_errors")})
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+
+    def run(name, _i):
+        for _ in range(args.calls):
+            fns[name]()
+
+    times = common.event_rounds(tuple(fns), run, args.rounds, device == "cuda")
+    med = common.medians(times)
+    row.update({f"t_{k}_ms": v / args.calls for k, v in med.items()})
+    row["speedup"] = common.ratio_median(times, "inductor", "fusenorm")
+    row["aa"] = common.ratio_median(times, "inductor", "inductor_aa")
+    row["slower"] = row["speedup"] < 1 - abs(1 - row["aa"])
+    if device == "cuda":
+        for name in ("inductor", "fusenorm"):
+            row[f"peak_{name}_mib"] = common.peak_mib(fns[name])
+    return row
+
+
+def summarize(rows: list[dict]) -> dict:
+    ok = [r for r in rows if "speedup" in r]
+    worst = min(ok, key=lambda r: r["speedup"], default=None)
+    return {"points": len(rows), "measured": len(ok), "slower_beyond_aa": sum(r["slower"] for r in ok),
+            "worst_speedup": worst and worst["speedup"],
+            "worst_point": worst and {k: worst[k] for k in ("kind", "norm", "K", "N", "M", "mode", "aa", "fused")},
+            "fused_points": sum(r.get("fused", "none") != "none" for r in ok)}
+
+
+def main(argv=None) -> dict:
+    p = common.doc_parser(__doc__)
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--norms", default=None, help="comma list of ln, rms, default (each kind's own norm); default: "
+                                                 "each kind's own")
+    p.add_argument("--shapes", default=None, help=f"KxN,... (default {SHAPES})")
+    p.add_argument("--rows", default=None, help=f"M values (default {ROWS})")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--rounds", type=int, default=None, help="rotating rounds (default 7)")
+    p.add_argument("--calls", type=int, default=None, help="calls between two events (default 10)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (times meaningless)")
+    args = p.parse_args(argv)
+    args.parser = p
+    dry = args.dry_run or not torch.cuda.is_available()
+    device, dtype = ("cpu", torch.float32) if dry else ("cuda", torch.bfloat16)
+    args.shapes = args.shapes or (DRY["shapes"] if dry else SHAPES)
+    args.rows = args.rows or (DRY["rows"] if dry else ROWS)
+    args.rounds = args.rounds or (DRY["rounds"] if dry else 7)
+    args.calls = args.calls or (DRY["calls"] if dry else 10)
+    out = args.out or ("/tmp/never_slower_dry_run.json" if dry else "benchmarks/results/never_slower.json")
+    rows = []
+    grid = points(args)
+    for i, pt in enumerate(grid):
+        t0 = time.perf_counter()
+        try:
+            r = measure_point(pt, args, device, dtype)
+        except Exception as e:  # noqa: BLE001 - one point's failure is a row that says so, not a lost run
+            r = {**pt, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        rows.append(r)
+        print(f"[{i + 1}/{len(grid)}] {pt['kind']} {pt['norm']} {pt['K']}x{pt['N']} M={pt['M']} {pt['mode']}: "
+              + (f"speedup {r['speedup']:.3f} (A/A {r['aa']:.3f}){' SLOWER' if r['slower'] else ''}, "
+                 f"fused: {r['fused']}" if "speedup" in r else r["error"]) + f" ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
+    data = {"meta": {**common.environment(device), "script": "benchmarks/bench_never_slower.py", "dry_run": dry,
+                     "dtype": str(dtype).replace("torch.", ""), "rounds": args.rounds, "calls": args.calls,
+                     "timer": "CUDA events around --calls plain calls (no CUDA graphs), rotating rounds, medians",
+                     "metrics": {"speedup": "median over rounds of t_inductor / t_fusenorm",
+                                 "aa": "median over rounds of t_inductor / t_inductor_aa (a second compile)",
+                                 "slower": "speedup < 1 - |1 - aa|"}},
+            "rows": rows, "summary": summarize(rows)}
+    common.write_json(out, data)
+    print("summary:", data["summary"])
+    return data
+
+
+if __name__ == "__main__":
+    main()
