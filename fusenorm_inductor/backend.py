@@ -20,6 +20,8 @@ def fusenorm_backend(
     mode: Optional[str] = None,
     options: Optional[dict[str, Any]] = None,
 ):
+    """The ``"fusenorm"`` torch.compile backend: Inductor (with ``mode`` and ``options`` as Inductor takes them)
+    with fusenorm's passes, whatever ``config.enabled`` says. Use ``torch.compile(model, backend="fusenorm")``."""
     from torch import _TorchCompileInductorWrapper
 
     inductor = _TorchCompileInductorWrapper(mode, passes.config_patches(options), dynamic=None)

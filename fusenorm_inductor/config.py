@@ -205,6 +205,41 @@ del _ENV_VARS
 install_config_module(sys.modules[__name__])
 
 
+def _options_help(source: str, options: dict) -> str:
+    """Every option with its default, its environment variable and the comment above it in this file (its one
+    description), for ``help(fusenorm_inductor.config)``."""
+    import re
+    import textwrap
+
+    out, comment, prefix = [], [], ""
+    for line in source.splitlines():
+        stripped = line.strip()
+        if not stripped:
+            comment = []
+            continue
+        indent = len(line) - len(line.lstrip())
+        if indent == 0 and not stripped.startswith("#"):
+            group = re.match(r"class (\w+)", line)
+            prefix = group.group(1) + "." if group else ""
+        if stripped.startswith("#"):
+            comment.append(stripped.lstrip("#").strip())
+            continue
+        match = re.match(r"\s*(\w+)\s*(?::[^=]+)?=", line)
+        name = prefix + match.group(1) if match else None
+        if name in options:
+            env = re.search(r"_env_\w+\(\"(FUSENORM_\w+)\"", line)
+            head = f"{name} = {options[name].default!r}" + (f"    (environment: {env.group(1)})" if env else "")
+            text = " ".join(comment) or "(no description)"
+            out += [head, textwrap.indent(textwrap.fill(text, 100), "    "), ""]
+        comment = []
+    return "\n\nOptions\n-------\n" + "\n".join(out)
+
+
+with open(__file__, encoding="utf-8") as _f:
+    globals()["__doc__"] = (__doc__ or "") + _options_help(_f.read(), sys.modules[__name__]._config)
+del _f
+
+
 def on_enabled(hook) -> None:
     """Register ``hook(value)``, called when ``enabled`` is set (directly, by ``patch`` or by ``enable()``),
     before the value is stored: passes.py registers the installation of its passes here, so that this module
@@ -224,13 +259,14 @@ def _number(lo: float, hi: float | None = None, lo_open: bool = False):
 
 
 def _path_or_none(v: object) -> bool:
-    return v is None or isinstance(v, (str, os.PathLike))
+    # "" would name no directory (the dumps written nowhere, or in the working directory): refused, not guessed
+    return v is None or (isinstance(v, (str, os.PathLike)) and os.fspath(v) != "")
 
 
 # What each non-boolean option takes (every other option is a bool): (check, what the error says it must be).
 _VALUES = {
-    "debug_dir": (_path_or_none, "a directory path (str or os.PathLike) or None"),
-    "tuning.cache_dir": (_path_or_none, "a directory path (str or os.PathLike) or None"),
+    "debug_dir": (_path_or_none, "a non-empty directory path (str or os.PathLike) or None"),
+    "tuning.cache_dir": (_path_or_none, "a non-empty directory path (str or os.PathLike) or None"),
     "tuning.margin": (_number(0.0, 1.0), "a fraction in [0, 1)"),
     "tuning.margin_gluon": (_number(0.0, 1.0), "a fraction in [0, 1)"),
     "tuning.margin_deferred": (_number(0.0, 1.0), "a fraction in [0, 1)"),
@@ -258,9 +294,25 @@ class _FusenormConfigModule(type(sys.modules[__name__])):
 
     enabled_hooks: list = []
 
+    def _unknown(self, name: str) -> AttributeError:
+        groups = {k.split(".")[0] for k in self._config if "." in k}
+        close = difflib.get_close_matches(name, [*self._config, *sorted(groups)], n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "help(fusenorm_inductor.config) lists the options"
+        return AttributeError(f"fusenorm: config has no option {name!r}; {hint}")
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__"):  # Python's own probes (__path__, __wrapped__, ...): not a user's typo
+                raise
+            raise self._unknown(name) from None
+
     def __setattr__(self, name: str, value: object) -> None:
-        if name in self._config:  # unknown names: the config module's own AttributeError
+        if name in self._config:
             value = _checked(name, value)
+        elif name not in self._bypass_keys and not name.startswith("_"):
+            raise self._unknown(name)
         if name == "enabled":
             for hook in self.enabled_hooks:
                 hook(value)

@@ -495,6 +495,8 @@ def _measured(seconds: float) -> str:
 
 
 def last_report() -> Optional[GraphReport]:
+    """The match report of the graph compiled last in this process (None before any): what fusenorm rewrote,
+    what it saw and left to Inductor and why; ``.to_markdown()`` and ``.to_json()`` render it."""
     return _history[-1] if _history else None
 
 

@@ -51,3 +51,14 @@ for _module in pkgutil.iter_modules(__path__):
     if not _module.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_module.name}")
 del _module
+
+
+def _show_docstrings(*ops) -> None:
+    """``help()`` of a custom op object shows its function's docstring, not the op wrapper class's."""
+    for op in ops:
+        fn = getattr(op, "_init_fn", None)  # torch's CustomOpDef keeps the decorated function here
+        if fn is not None and fn.__doc__:
+            op.__doc__ = fn.__doc__
+
+
+_show_docstrings(norm, norm_backward, mm_norm, mm_norm_backward, norm_mm, mm_normed, gdpa.gdpa)

@@ -75,6 +75,8 @@ def mm_norm_reference(
     out_dtype: Optional[torch.dtype] = None,
     save_normed: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, hh, mean, rstd) of ``fusenorm::mm_norm`` in plain torch (fp32 math): its CPU implementation and the
+    tests' oracle."""
     h = a.float() @ b.float()
     if bias is not None:
         h = h + bias.float()

@@ -62,6 +62,8 @@ def mm_norm_backward_reference(
     has_bias: bool,
     dx_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw, db) of ``fusenorm::mm_norm_backward`` in plain torch (fp32 math): its CPU implementation and the
+    tests' oracle."""
     dn = dy.float() @ b.float()
     if extra is not None:
         dn = dn + extra.float()

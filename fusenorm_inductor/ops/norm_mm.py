@@ -82,6 +82,8 @@ def norm_mm_reference(
     is_rms: bool,
     out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """(c, mean, rstd) of ``fusenorm::norm_mm`` in plain torch (fp32 math): its CPU implementation and the tests'
+    oracle."""
     y, mean, rstd = norm_reference(a, weight, norm_bias, eps, is_rms, torch.float32)
     c = y @ b.float()
     if bias is not None:
@@ -103,6 +105,7 @@ def normed(a: Tensor, mean: Optional[Tensor], rstd: Tensor, weight: Optional[Ten
 
 def mm_normed_reference(x: Tensor, a: Tensor, mean: Optional[Tensor], rstd: Tensor, weight: Optional[Tensor],
                         norm_bias: Optional[Tensor], is_rms: bool) -> Tensor:
+    """``fusenorm::mm_normed`` in plain torch: x @ norm(a) rebuilt from the row statistics, in x's dtype."""
     return (x.float() @ normed(a, mean, rstd, weight, norm_bias, is_rms)).to(x.dtype)
 
 
