@@ -1,7 +1,10 @@
 """Shared test setup.
 
-- Inductor's caches are off: on a cache hit custom passes do not run, so counters and reports would be
-  empty and a test could pass without compiling anything.
+- Inductor's graph caches are off (its FX graph cache, AOTAutograd's, and Dynamo's profile-guided dynamic
+  shapes from earlier runs): on a cache hit custom passes do not run, so counters and reports would be empty and
+  a test could pass without compiling anything. The compiled-kernel caches stay on, in this session's own
+  directory: a kernel whose source an earlier test compiled is loaded instead of compiled again (a hit there
+  skips the C++ compiler, never a pass). Environment variables, so subprocesses inherit them.
 - Kernel tuning does not measure (config.tuning.measure off): every match is fused with the kernels' first
   candidate, so the small test shapes are fused and checked; test_tuning.py turns it on where it tests it.
   The tuning cache is this run's own directory.
@@ -9,9 +12,18 @@
   kernel module is imported).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
-os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+from . import CACHES_OFF
+
+for _name, _value in CACHES_OFF.items():
+    os.environ.setdefault(_name, _value)
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fusenorm-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 # The CPU runs check the rewritten graphs: fusenorm's reference ops in them (by default a CPU graph is Inductor's).
 os.environ.setdefault("FUSENORM_CPU_REFERENCE", "1")
 

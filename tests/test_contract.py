@@ -30,6 +30,7 @@ from torch._dynamo.utils import counters
 import fusenorm_inductor
 from fusenorm_inductor import config, passes
 
+from . import CACHES_OFF
 from .models import TOL, PostNormBlock, _err, assert_matches_eager, fusenorm_counts
 
 CUDA = torch.cuda.is_available()
@@ -220,7 +221,7 @@ _CACHE_RUN = textwrap.dedent(
 
 
 def _cache_run(tmp_path: Path, device: str, **env_extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_FORCE_DISABLE_CACHES"}
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_FORCE_DISABLE_CACHES" and k not in CACHES_OFF}
     env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), FUSENORM_CACHE_DIR=str(tmp_path / "fusenorm"),
                FUSENORM_TUNE="0",  # the tests' setting: every match fused, whatever the GPU measures
                TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0",  # a fresh cache dir: building the header costs more

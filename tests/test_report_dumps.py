@@ -19,6 +19,8 @@ import torch
 import fusenorm_inductor
 from fusenorm_inductor import config, report
 
+from . import CACHES_OFF
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -185,7 +187,8 @@ def test_cache_hit_in_a_second_process_writes_a_report_saying_so(tmp_path):
     """A second process with the same Inductor cache dir is served from the cache (fusenorm's passes do not run):
     it still writes a run folder, with a report saying the graph came from the cache; the first run's stays."""
     debug_dir = tmp_path / "fn"
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCH_LOGS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCH_LOGS", *CACHES_OFF)}
     env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), FUSENORM_CACHE_DIR=str(tmp_path / "fusenorm"),
                FUSENORM_DEBUG_DIR=str(debug_dir), FUSENORM_TUNE="0", TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0")
     trees = []
@@ -212,7 +215,7 @@ def test_last_report_answers_for_a_graph_served_from_the_cache(tmp_path):
     """Without a debug_dir, a process served from Inductor's cache still gets a report from last_report(),
     saying the graph came from the cache (it used to return None there)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCH_LOGS", "FUSENORM_DEBUG_DIR")}
+           if k not in ("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCH_LOGS", "FUSENORM_DEBUG_DIR", *CACHES_OFF)}
     env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), FUSENORM_CACHE_DIR=str(tmp_path / "fusenorm"),
                FUSENORM_TUNE="0", TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="0")
     script = _CACHE_RUN + textwrap.dedent(
