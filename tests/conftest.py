@@ -91,3 +91,38 @@ def cpu_step_timer(monkeypatch):
 
     monkeypatch.setattr(baseline, "time_training_steps", steps)
     yield calls
+
+
+# ---- the sm_90a compile of the Gluon variants, beside the other tests (offline_compile.py) --------------------
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "offline_compile: checks the sm_90a compiles of offline_compile.py's pool "
+                                       "(runs after the other tests, while the pool compiles beside them)")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """The tests that wait for the pool's compiles run last, in their order: the compiles fill the cores the
+    other tests leave idle, and by then most are done."""
+    late = [item for item in items if item.get_closest_marker("offline_compile")]
+    if late:
+        items[:] = [item for item in items if not item.get_closest_marker("offline_compile")] + late
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly or not any(
+            item.get_closest_marker("offline_compile") for item in session.items):
+        return
+    from fusenorm_inductor.kernels.hopper import _compat
+
+    if _compat.available():  # else test_gluon_compile.py is skipped
+        from . import offline_compile
+
+        offline_compile.pool()
+
+
+def pytest_sessionfinish(session):
+    from . import offline_compile
+
+    offline_compile.close()

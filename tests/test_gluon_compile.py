@@ -7,14 +7,11 @@ a CUDA target: API drift in a newer triton, register spills and shared-memory ov
 GPU sees them. Numerics are checked on the H200 (test_gluon_mm_norm.py). The other Gluon ops' offline modules
 (norm_mm, mm_norm_backward, gdpa, deferred_mm) list their variants the same way (kernels/hopper/offline.py).
 
-The compile runs in a subprocess without TRITON_INTERPRET (conftest sets it on CPU machines, and the
-interpreter replaces the jit functions the compiler needs).
+The compiles run in worker processes without TRITON_INTERPRET (conftest sets it on CPU machines, and the
+interpreter replaces the jit functions the compiler needs), beside the rest of the session (offline_compile.py:
+conftest.py starts them once the tests are collected); the tests that check their results are marked
+``offline_compile`` and run last, each op's variants in chunks, so the run shows their progress.
 """
-
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -23,27 +20,36 @@ pytest.importorskip("triton")
 
 from fusenorm_inductor.kernels.hopper import _compat  # noqa: E402
 
+from . import offline_compile  # noqa: E402
+
 pytestmark = pytest.mark.skipif(not _compat.available(), reason=f"no usable Gluon: {_compat.GLUON_ERROR}")
 
-
-# Interpreters to compile with: this one (the triton the package runs with here) and, from
-# TRITON_NEXT_PYTHON (os.pathsep-separated), others with a newer triton (CI sets up the newest one: the
-# Gluon API moves between releases, and kernels/hopper/_compat.py absorbs it).
-PYTHONS = [sys.executable] + [p for p in os.environ.get("TRITON_NEXT_PYTHON", "").split(os.pathsep) if p]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Each op's variants (offline.variants(), in this order) are checked in this many chunks of consecutive variants:
+# one test per chunk, in the order the workers compile them.
+CHUNKS = {"mm_norm": 8, "mm_norm_backward": 4, "norm_mm": 1, "gdpa": 4, "deferred_mm": 4}
 
 
-@pytest.fixture(scope="module", params=PYTHONS, ids=lambda p: "this-python" if p == sys.executable else p)
-def compiled(request):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # today's default; triton >= 3.9 warns when it is unset
-    proc = subprocess.run(
-        [request.param, "-m", "fusenorm_inductor.kernels.hopper.offline", "--jobs", str(min(4, os.cpu_count() or 1))],
-        capture_output=True, text=True, env=env, timeout=2400, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+@pytest.fixture(scope="module", params=offline_compile.PYTHONS, ids=offline_compile.python_id)
+def python(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def compiles():
+    return offline_compile.pool()
+
+
+def _chunk(variants: list, op: str, chunk: int) -> list:
+    """The indices of the op's variants in chunk ``chunk`` of ``CHUNKS[op]``."""
+    mine = [i for i, v in enumerate(variants) if v.get("op", "mm_norm") == op]
+    n = CHUNKS[op]
+    return mine[chunk * len(mine) // n:(chunk + 1) * len(mine) // n]
+
+
+@pytest.fixture(scope="module")
+def compiled(python, compiles):
+    """Every variant's result for this interpreter (kernels/hopper/offline._compile_one's)."""
+    return compiles.results(python, range(len(compiles.variants(python))))
 
 
 def _label(v):
@@ -63,6 +69,25 @@ def _gemm(compiled):
     return [v for v in compiled if v.get("op") != "gdpa"]
 
 
+@pytest.mark.offline_compile
+@pytest.mark.parametrize("op, chunk", [(op, i) for op, n in CHUNKS.items() for i in range(n)])
+def test_all_compile_without_spills(python, compiles, op, chunk):
+    from fusenorm_inductor.kernels.hopper.launch import SMEM_LIMIT
+
+    indices = _chunk(compiles.variants(python), op, chunk)
+    assert indices, f"no {op} variants in chunk {chunk}"
+    bad = []
+    for v in compiles.results(python, indices):
+        if not v["ok"]:
+            bad.append(f"{_label(v)}: {v['error']}")
+        elif v["spill_bytes"] and not _known_spill(v):
+            bad.append(f"{_label(v)}: {v['spill_bytes']} bytes of local memory per thread (spills)")
+        elif v["shared"] > SMEM_LIMIT:
+            bad.append(f"{_label(v)}: {v['shared']} bytes of shared memory > {SMEM_LIMIT}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.offline_compile
 def test_every_path_is_compiled(compiled):
     gdpa = {(v["kind"], v["d"], v["act"]) for v in compiled if v.get("op") == "gdpa"}
     assert gdpa == {(k, d, a) for k in ("fwd", "dq", "dkdv", "fna", "fnb") for d in (64, 128) for a in range(5)}, gdpa
@@ -131,25 +156,12 @@ def _known_spill(v) -> bool:
                                         or v["config"][2] == 256)
 
 
-def test_all_compile_without_spills(compiled):
-    from fusenorm_inductor.kernels.hopper.launch import SMEM_LIMIT
-
-    bad = []
-    for v in compiled:
-        if not v["ok"]:
-            bad.append(f"{_label(v)}: {v['error']}")
-        elif v["spill_bytes"] and not _known_spill(v):
-            bad.append(f"{_label(v)}: {v['spill_bytes']} bytes of local memory per thread (spills)")
-        elif v["shared"] > SMEM_LIMIT:
-            bad.append(f"{_label(v)}: {v['shared']} bytes of shared memory > {SMEM_LIMIT}")
-    assert not bad, "\n".join(bad)
-
-
 # Triton 3.9 spills every 256-wide backward candidate of LayerNorm with an affine weight (8-104 bytes): those
 # shapes run the tl kernels there (README, "Gluon kernels for Hopper").
 _NO_CLEAN_BWD_NEXT = {(256, "ln_full"), (256, "ln_normed")}
 
 
+@pytest.mark.offline_compile
 def test_backward_fits_one_tile_without_spills(compiled):
     """Every tile width of one-tile rows (N <= 256) and every flag set keeps at least one backward candidate
     that does not spill on triton 3.6 (on newer tritons all but ``_NO_CLEAN_BWD_NEXT``): there the Gluon path
@@ -166,6 +178,7 @@ def test_backward_fits_one_tile_without_spills(compiled):
     assert seen and seen - clean <= allowed, sorted(seen - clean - allowed)
 
 
+@pytest.mark.offline_compile
 def test_cluster_barrier_exactly_where_rows_are_exchanged(compiled):
     """Cluster barriers where CTAs exchange row statistics (``gl_cluster``), and in the CTA pairs (pair_core),
     where the compiler syncs the pair around the kernel (barriers one CTA arrives on in the other's shared

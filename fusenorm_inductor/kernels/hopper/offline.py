@@ -30,26 +30,54 @@ def _triton_version() -> str:
     return triton.__version__
 
 
+def variants() -> list[dict]:
+    """Every variant the dispatch can launch: ``offline_variants`` of mm_norm, mm_norm_backward, norm_mm, gdpa
+    and deferred_mm, in that order."""
+    return (mm_norm.offline_variants() + mm_norm_backward.offline_variants() + norm_mm.offline_variants()
+            + gdpa.offline_variants() + deferred_mm.offline_variants())
+
+
+def serve(stdin, stdout) -> None:
+    """A compile worker for a caller that schedules the variants itself (the CPU test suite compiles them beside
+    its other tests, with this triton and a newer one): prints ``{"variants": [...]}`` on one line, then for each
+    line read (a variant, as JSON) its result on one line, until stdin ends."""
+    import json
+
+    print(json.dumps({"variants": variants()}), file=stdout, flush=True)
+    for line in stdin:
+        if line.strip():
+            print(json.dumps(_compile_one(json.loads(line))), file=stdout, flush=True)
+
+
 def main(argv=None) -> int:
     """``python -m fusenorm_inductor.kernels.hopper.offline [--jobs J]``: compile every variant the dispatch
-    can launch (``offline_variants`` of mm_norm, mm_norm_backward, norm_mm, gdpa and deferred_mm) for sm_90a and print one JSON object per line. Must run
-    without TRITON_INTERPRET (the interpreter replaces the jit functions the compiler needs)."""
+    can launch (``variants``) for sm_90a and print one JSON object per line. Must run without TRITON_INTERPRET
+    (the interpreter replaces the jit functions the compiler needs)."""
     import argparse
     import json
+    import sys
     from concurrent.futures import ProcessPoolExecutor
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--op", default=None, help="only this op's variants (mm_norm, mm_norm_backward, norm_mm, gdpa, deferred_mm)")
+    p.add_argument("--serve", action="store_true", help="compile the variants read from stdin, one JSON object a "
+                   "line, after printing the list of all (``serve``); --jobs and --op do not apply")
+    p.add_argument("--nice", type=int, default=0, help="lower this process's priority by this much (a worker "
+                   "compiling beside a test run leaves the tests their core)")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the sm_90 compile needs the real compiler")
-    variants = (mm_norm.offline_variants() + mm_norm_backward.offline_variants() + norm_mm.offline_variants()
-                + gdpa.offline_variants() + deferred_mm.offline_variants())
+    if args.nice:
+        os.nice(args.nice)
+    if args.serve:
+        serve(sys.stdin, sys.stdout)
+        return 0
+    todo = variants()
     if args.op is not None:
-        variants = [v for v in variants if v.get("op", "mm_norm") == args.op]
+        todo = [v for v in todo if v.get("op", "mm_norm") == args.op]
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        for res in pool.map(_compile_one, variants):
+        for res in pool.map(_compile_one, todo):
             print(json.dumps(res), flush=True)
     return 0
 
