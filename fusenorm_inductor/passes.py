@@ -103,7 +103,9 @@ class FusenormPass(CustomGraphPass):
             # recomputed (fx_utils.refresh_values says why); one that cannot be fails the pass, so no stale
             # value goes on. The pre-grad graph needs none: AOTAutograd traces it again.
             nodes_before = fx_utils.snapshot(graph) if self.stage == "joint" else None
+            places = {n.name: report.node_place(n) for n in graph.nodes}
             run_stage(self.stage, graph, rep)
+            rep.locate(places, recorded)
             graph.lint()
             if nodes_before is not None:
                 fx_utils.refresh_values(graph, nodes_before)

@@ -49,6 +49,7 @@ class Rewrite:
     kernel: str
     detail: str = ""
     measure_s: float = 0.0  # seconds the match's decision spent measuring (a first compile's cost)
+    where: str = ""  # the model's own name for the site: module path and source line (``locate``)
 
 
 @dataclass
@@ -58,6 +59,31 @@ class Skip:
     node: str
     reason: str
     measure_s: float = 0.0
+    where: str = ""
+
+
+def node_place(node) -> tuple[str, str]:
+    """Where an FX node came from in the user's model: (the module path Dynamo recorded, ``layers.0.norm``; the
+    source line of the call outside torch, ``model.py:42``), each "" where the node's metadata lacks it."""
+    import re
+
+    stack = node.meta.get("nn_module_stack") or {}
+    path = ""
+    if stack:
+        raw = str(list(stack.values())[-1][0])
+        path = re.sub(r"^L\['[^']*'\]\.?", "", raw)
+        path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+        path = re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
+    frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    own = [f for f in frames if f"{os.sep}torch{os.sep}" not in f[0] and "site-packages" not in f[0]] or frames
+    return path, (f"{os.path.basename(own[-1][0])}:{own[-1][1]}" if own else "")
+
+
+def _place_text(places: list[tuple[str, str]]) -> str:
+    """"module a + b (file.py:12)" from the (module path, line) of a site's nodes."""
+    paths = list(dict.fromkeys(p for p, _ in places if p))
+    line = next((ln for _, ln in places if ln), "")
+    return " ".join(t for t in (("module " + " + ".join(paths)) if paths else "", f"({line})" if line else "") if t)
 
 
 def _uncount(pattern: str) -> None:
@@ -130,6 +156,16 @@ class GraphReport:
         self.rewrites.remove(record)
         _uncount(record.pattern)
 
+    def locate(self, places: dict, since: tuple[int, int]) -> None:
+        """Name the model's place (``node_place``, by node name in ``places``: taken before the stage ran, whose
+        rewrites erase the nodes they matched) of every entry recorded after the counts ``since``."""
+        for r in self.rewrites[since[0]:]:
+            if not r.where:
+                r.where = _place_text([places[n] for n in r.nodes if n in places])
+        for s in self.skips[since[1]:]:
+            if not s.where and s.node in places:
+                s.where = _place_text([places[s.node]])
+
     def rollback(self, n_rewrites: int, n_skips: int) -> None:
         """Forget what a stage recorded after the given counts (its graph was restored after an error)."""
         for r in self.rewrites[n_rewrites:]:
@@ -154,14 +190,23 @@ class GraphReport:
         for r in self.rewrites:
             shapes = ", ".join(f"{k}={v}" for k, v in r.shapes.items())
             lines.append(
-                f"- **{r.pattern}** ({r.stage}): nodes {', '.join(r.nodes)}; {shapes}; dtype {r.dtype}; "
+                f"- **{r.pattern}** ({r.stage})" + (f" at {r.where}" if r.where else "")
+                + f": nodes {', '.join(r.nodes)}; {shapes}; dtype {r.dtype}; "
                 f"kernel {r.kernel}" + (f"; {r.detail}" if r.detail else "") + _measured(r.measure_s)
             )
-        lines += ["", "## Seen, not rewritten", ""]
-        if not self.skips:
-            lines.append("(none)")
+        # Each site not rewritten once, with every fusion's reason; a node another fusion rewrote is not listed.
+        taken = {n for r in self.rewrites for n in r.nodes}
+        sites: dict = {}
         for s in self.skips:
-            lines.append(f"- {s.pattern} ({s.stage}) at `{s.node}`: {s.reason}{_measured(s.measure_s)}")
+            if s.node not in taken:
+                sites.setdefault(s.node, []).append(s)
+        lines += ["", "## Seen, not rewritten", ""]
+        if not sites:
+            lines.append("(none)")
+        for node, entries in sites.items():
+            where = next((e.where for e in entries if e.where), "")
+            reasons = "; ".join(f"{e.pattern} ({e.stage}): {e.reason}{_measured(e.measure_s)}" for e in entries)
+            lines.append(f"- `{node}`" + (f" at {where}" if where else "") + f": {reasons}")
         if self.on_gpu:
             lines += ["", "## Would be rewritten on a GPU", ""] + [f"- {n}" for n in self.on_gpu]
         if self.notes:

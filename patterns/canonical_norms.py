@@ -80,7 +80,8 @@ def canonicalize(graph: fx.Graph, rep: GraphReport, pattern: str, end: Node, nod
     with graph.inserting_before(end):
         op = fx_utils.call(graph, NORM, x, weight, bias, float(eps), is_rms, val(end).dtype)
         y = fx_utils.call(graph, operator.getitem, op, 0)
-    y.meta.update({k: v for k, v in end.meta.items() if k in ("stack_trace", "nn_module_stack")})
+    for node in (op, y):  # the model's names for the norm (the match report's module path and source line)
+        node.meta.update({k: v for k, v in end.meta.items() if k in ("stack_trace", "nn_module_stack")})
     mine = set(nodes)
     before = [(n, n.op, n.target, n.args, dict(n.kwargs), dict(n.meta), n.name) for n in graph.nodes if n in mine]
     end.replace_all_uses_with(y)

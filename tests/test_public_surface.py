@@ -1,12 +1,14 @@
 """What a user meets first: every public name has a docstring, ``help(config)`` lists every option with its
 default, environment variable and description, a misspelled option is answered with the closest name, and
-``debug_dir = ""`` is refused."""
+``debug_dir = ""`` is refused; the match report names each site by the model's module path and source line,
+once."""
 
 from __future__ import annotations
 
 import pydoc
 
 import pytest
+import torch
 
 import fusenorm_inductor as fi
 from fusenorm_inductor import config, ops
@@ -52,3 +54,32 @@ def test_empty_debug_dir_is_refused():
         with config.patch(debug_dir=""):
             pass
     assert config.debug_dir is None or config.debug_dir != ""
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(24, 40)
+        self.norm = torch.nn.LayerNorm(40)
+        self.wide = torch.nn.LayerNorm([9, 40])  # over two dims: no fusion takes it
+
+    def forward(self, x):
+        return self.wide(self.norm(self.proj(x)))
+
+
+def test_report_names_sites_by_module_path_once():
+    torch.manual_seed(0)
+    with config.patch(cpu_reference=True):
+        torch.compile(_Block(), backend="fusenorm")(torch.randn(3, 9, 24))
+    rep = fi.reports()[0]
+    fused = [r for r in rep.rewrites if r.pattern == "linear_norm_fwd"]
+    assert fused and "proj" in fused[0].where and "norm" in fused[0].where and "test_public_surface.py:" in \
+        fused[0].where, fused[0].where
+    text = rep.to_markdown()
+    seen = text.split("## Seen, not rewritten", 1)[1].split("\n## ", 1)[0]
+    listed = [line for line in seen.splitlines() if line.startswith("- `")]
+    assert listed and "module wide" in seen, seen  # the two-dim norm, by its module's name
+    nodes = [line.split("`")[1] for line in listed]
+    assert len(nodes) == len(set(nodes)), seen  # each site once, every fusion's reason on its line
+    taken = {n for r in rep.rewrites for n in r.nodes}
+    assert not taken & set(nodes), seen  # a rewritten site is not also listed as not rewritten
