@@ -436,6 +436,15 @@ def for_stage(stage: str) -> GraphReport:
     cid = _compile_id()
     _install_hooks()
     if _current is None or stage == "pre_grad" or not _current.graph_id.endswith(f"_{cid}"):
+        if stage == "pre_grad" and _current is not None and _current.graph_id.endswith(f"_{cid}") and \
+                all(e.stage == "pre_grad" for e in _current.rewrites + _current.skips) and _current in _history:
+            # The pre-grad pass again for the same compile, the last one never reaching the joint graph: Dynamo
+            # restarted the compile (a dynamic-shape trace that specializes a float, such as a norm's eps) and
+            # the first attempt's graph is gone; its report would list sites of a graph that never runs.
+            _history.remove(_current)
+            _current.rollback(0, 0)
+            if _current._written_to is not None:  # its folder stays; the run's index, rewritten next, drops it
+                _current._written_to[0].graphs.pop(_current.graph_id, None)
         _current = _new_report(cid)
     return _current
 

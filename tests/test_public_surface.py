@@ -83,3 +83,17 @@ def test_report_names_sites_by_module_path_once():
     assert len(nodes) == len(set(nodes)), seen  # each site once, every fusion's reason on its line
     taken = {n for r in rep.rewrites for n in r.nodes}
     assert not taken & set(nodes), seen  # a rewritten site is not also listed as not rewritten
+
+
+def test_a_restarted_dynamic_compile_leaves_one_report():
+    """A dynamic-shape compile that Dynamo restarts (it specializes the norm's float eps) ran the pre-grad pass on
+    a graph that never runs: only the compile that finished has a report."""
+    m = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.LayerNorm(40), torch.nn.Linear(40, 8))
+    with config.patch(cpu_reference=True):
+        cm = torch.compile(m, backend="fusenorm", dynamic=True)
+        cm(torch.randn(5, 24))
+        cm(torch.randn(7, 24))
+    reps = fi.reports()
+    assert len(reps) == 1 and any(r.pattern == "linear_norm_fwd" for r in reps[0].rewrites), \
+        [r.to_markdown() for r in reps]
+    assert not any("not a constant" in s.reason for s in reps[0].skips)
