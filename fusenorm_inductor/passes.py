@@ -103,9 +103,9 @@ class FusenormPass(CustomGraphPass):
             # recomputed (fx_utils.refresh_values says why); one that cannot be fails the pass, so no stale
             # value goes on. The pre-grad graph needs none: AOTAutograd traces it again.
             nodes_before = fx_utils.snapshot(graph) if self.stage == "joint" else None
-            places = {n.name: report.node_place(n) for n in graph.nodes}
+            metas = {n.name: n.meta for n in graph.nodes}  # references: places are read only for what is reported
             run_stage(self.stage, graph, rep)
-            rep.locate(places, recorded)
+            rep.locate(metas, recorded)
             graph.lint()
             if nodes_before is not None:
                 fx_utils.refresh_values(graph, nodes_before)
@@ -182,7 +182,10 @@ def _preview_on_cpu(stage: str, graph: fx.Graph, rep: report.GraphReport) -> Non
         run_stage(stage, graph, rep)
         lines = [f"{r.pattern}: nodes {', '.join(r.nodes)}" for r in rep.rewrites[recorded[0]:]
                  if r.pattern in PATTERN_NAMES and not r.pattern.startswith("canonical_")]
-        lines += ["{}: the norm {}".format(*n.meta[PROSPECT_KEY]) for n in graph.nodes if PROSPECT_KEY in n.meta]
+        for n in graph.nodes:
+            if PROSPECT_KEY in n.meta:
+                fusion, name, where = n.meta[PROSPECT_KEY]
+                lines.append(f"{fusion}: the norm {name}" + (f" at {where}" if where else ""))
     except Exception as e:  # the preview is a report: a failure in it leaves the graph to Inductor all the same
         rep.note(f"what would be rewritten on a GPU is unknown: the preview failed ({type(e).__name__}: {e})")
     finally:

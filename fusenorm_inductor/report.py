@@ -62,24 +62,24 @@ class Skip:
     where: str = ""
 
 
-def node_place(node) -> tuple[str, str]:
-    """Where an FX node came from in the user's model: (the module path Dynamo recorded, ``layers.0.norm``; the
-    source line of the call outside torch, ``model.py:42``), each "" where the node's metadata lacks it."""
+def node_place(meta: dict) -> tuple[str, str]:
+    """Where an FX node came from in the user's model, from its ``meta``: (the module path Dynamo recorded,
+    ``layers.0.norm``; the source line of the call outside torch, ``model.py:42``), each "" where it lacks it."""
     import re
 
-    stack = node.meta.get("nn_module_stack") or {}
+    stack = meta.get("nn_module_stack") or {}
     path = ""
     if stack:
         raw = str(list(stack.values())[-1][0])
         path = re.sub(r"^L\['[^']*'\]\.?", "", raw)
         path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
         path = re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
-    frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    frames = re.findall(r'File "([^"]+)", line (\d+)', meta.get("stack_trace") or "")
     own = [f for f in frames if f"{os.sep}torch{os.sep}" not in f[0] and "site-packages" not in f[0]] or frames
     return path, (f"{os.path.basename(own[-1][0])}:{own[-1][1]}" if own else "")
 
 
-def _place_text(places: list[tuple[str, str]]) -> str:
+def place_text(places: list[tuple[str, str]]) -> str:
     """"module a + b (file.py:12)" from the (module path, line) of a site's nodes."""
     paths = list(dict.fromkeys(p for p, _ in places if p))
     line = next((ln for _, ln in places if ln), "")
@@ -156,15 +156,15 @@ class GraphReport:
         self.rewrites.remove(record)
         _uncount(record.pattern)
 
-    def locate(self, places: dict, since: tuple[int, int]) -> None:
-        """Name the model's place (``node_place``, by node name in ``places``: taken before the stage ran, whose
-        rewrites erase the nodes they matched) of every entry recorded after the counts ``since``."""
+    def locate(self, metas: dict, since: tuple[int, int]) -> None:
+        """Name the model's place (``node_place``) of every entry recorded after the counts ``since``, from
+        ``metas``: node name -> its meta, taken before the stage ran (its rewrites erase the nodes they matched)."""
         for r in self.rewrites[since[0]:]:
             if not r.where:
-                r.where = _place_text([places[n] for n in r.nodes if n in places])
+                r.where = place_text([node_place(metas[n]) for n in r.nodes if n in metas])
         for s in self.skips[since[1]:]:
-            if not s.where and s.node in places:
-                s.where = _place_text([places[s.node]])
+            if not s.where and s.node in metas:
+                s.where = place_text([node_place(metas[s.node])])
 
     def rollback(self, n_rewrites: int, n_skips: int) -> None:
         """Forget what a stage recorded after the given counts (its graph was restored after an error)."""

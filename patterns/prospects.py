@@ -26,7 +26,7 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from fusenorm_inductor.fx_utils import val
-from fusenorm_inductor.report import GraphReport
+from fusenorm_inductor.report import GraphReport, node_place, place_text
 
 from .base import Pattern, Reject, is_op, stage_patterns
 from .canonical_norms import REVERT_KEY, Original
@@ -81,18 +81,11 @@ class NormProspects(Pattern):
             try:
                 pattern.prospect(op, view)
                 # for the report of a graph left to Inductor (passes.py): the fusion, and the norm as traced
-                op.meta[PROSPECT_KEY] = (pattern.name, _traced_name(orig.end))
+                op.meta[PROSPECT_KEY] = (pattern.name, orig.end.name, place_text([node_place(orig.end.meta)]))
                 return []
             except Reject as r:
                 reasons.append((pattern.name, str(r)))
         return reasons
-
-
-def _traced_name(node: Node) -> str:
-    """The node's name, with the module it came from where Dynamo recorded one."""
-    stack = node.meta.get("nn_module_stack") or {}
-    path = list(stack.values())[-1][0] if stack else None
-    return f"{node.name} (module {path})" if path else node.name
 
 
 def _revert(graph: fx.Graph, op: Node, orig: Original, moved: dict[Node, Node]) -> bool:
