@@ -102,7 +102,13 @@ def measure_point(p: dict, args, device: str, dtype) -> dict:
         if name == "fusenorm":
             reps = fi.reports()
         fns[name] = fn
-    row.update({k: v for k, v in common.fused_patterns(reps).items() if k in ("fused", "fusenorm_errors")})
+    found = common.fused_patterns(reps)
+    row.update({k: v for k, v in found.items() if k in ("fused", "fusenorm_errors")})
+    # The decisions' own figures (measured fused vs unfused times, or why not), to set beside the step's.
+    row["decisions"] = [f"{r.pattern}: {r.kernel} | {r.detail}"[:400] for rep in reps for r in rep.rewrites
+                        if not r.pattern.startswith("canonical")]
+    row["not_fused"] = sorted({f"{s.pattern}: {s.reason}"[:300] for rep in reps for s in rep.skips
+                               if not s.pattern.startswith("canonical")})
     for fn in fns.values():
         for _ in range(3):
             fn()
@@ -120,6 +126,10 @@ def measure_point(p: dict, args, device: str, dtype) -> dict:
     if device == "cuda":
         for name in ("inductor", "fusenorm"):
             row[f"peak_{name}_mib"] = common.peak_mib(fns[name])
+    if args.kernels and (row["fused"] != "none" or row["slower"]):
+        # Where the time goes: each call's GPU time by kernel, fusenorm's and Inductor's.
+        for name in ("inductor", "fusenorm"):
+            row[f"kernels_{name}_ms"] = common.profile_kernels(fns[name], args.kernels)
     return row
 
 
@@ -142,6 +152,8 @@ def main(argv=None) -> dict:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--rounds", type=int, default=None, help="rotating rounds (default 7)")
     p.add_argument("--calls", type=int, default=None, help="calls between two events (default 10)")
+    p.add_argument("--kernels", type=int, default=0, help="CALLS: profile where a point fused or was slower: "
+                                                          "GPU ms per call by kernel (0: off)")
     p.add_argument("--out", default=None)
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (times meaningless)")
     args = p.parse_args(argv)
@@ -166,16 +178,21 @@ def main(argv=None) -> dict:
               + (f"speedup {r['speedup']:.3f} (A/A {r['aa']:.3f}){' SLOWER' if r['slower'] else ''}, "
                  f"fused: {r['fused']}" if "speedup" in r else r["error"]) + f" ({time.perf_counter() - t0:.0f} s)",
               flush=True)
-    data = {"meta": {**common.environment(device), "script": "benchmarks/bench_never_slower.py", "dry_run": dry,
+        common.write_json(out, _data(rows, args, device, dtype, dry), quiet=True)  # a run cut short keeps its rows
+    data = _data(rows, args, device, dtype, dry)
+    common.write_json(out, data)
+    print("summary:", data["summary"])
+    return data
+
+
+def _data(rows, args, device, dtype, dry) -> dict:
+    return {"meta": {**common.environment(device), "script": "benchmarks/bench_never_slower.py", "dry_run": dry,
                      "dtype": str(dtype).replace("torch.", ""), "rounds": args.rounds, "calls": args.calls,
                      "timer": "CUDA events around --calls plain calls (no CUDA graphs), rotating rounds, medians",
                      "metrics": {"speedup": "median over rounds of t_inductor / t_fusenorm",
                                  "aa": "median over rounds of t_inductor / t_inductor_aa (a second compile)",
                                  "slower": "speedup < 1 - |1 - aa|"}},
             "rows": rows, "summary": summarize(rows)}
-    common.write_json(out, data)
-    print("summary:", data["summary"])
-    return data
 
 
 if __name__ == "__main__":
