@@ -27,7 +27,7 @@ where the GPU waits); ``graphs`` = common.Bench("cudagraph"), the call captured 
 time alone; a call that cannot be captured is timed with do_bench and the row says so in ``notes``); ``b2b``
 (not in the default) = common.Bench("backtoback"), back-to-back plain calls between two CUDA events, no L2 flush
 and no gap between calls, as a serving or training loop runs them (do_bench's flush and gap flattered the
-deferred kernels on the H200: docs/performance.md). Peak
+deferred kernels on the H200: docs/history/performance-log.md). Peak
 memory of one plain call of each (``peak_*_mib``, above what was allocated before it; train: with the
 gradients of the previous step already freed). Each (point, timer) is one row; derived:
     norm_share   (t_unfused - t_gemms) / t_unfused: what is not GEMM in Inductor's time (norms, residual adds,

@@ -171,7 +171,7 @@ def backtoback_ms(fn: Callable, rep: float = 100, parts: int = 5) -> float:
     """Median over ``parts`` of events_ms of back-to-back calls, about ``rep`` ms of them in all after one call to
     size them: no L2 flush and no gap between calls, as a serving or training loop runs (do_bench flushes the L2
     and leaves a gap before each call, which on the H200 flattered some kernels against others:
-    docs/performance.md, "Deferred normalization")."""
+    docs/history/performance-log.md, "Deferred normalization")."""
     fn()
     one = events_ms(fn, 1)
     calls = max(2, int(rep / parts / max(one, 1e-3)))

@@ -100,7 +100,7 @@ class patterns:
     attention_block: bool = Config(default=_env_bool("FUSENORM_ATTENTION_BLOCK", True))
     # Either form of the block when gradients are needed (training). Off by default: on the H200 the fused
     # backward is slower than what it replaces. Written with gdpa: slower than gdpa + Inductor's norms
-    # (README, Performance, Attention). The dense composite: a PFFN training step measures 0.63-0.75x of
+    # (docs/performance.md, FlashNormAttention). The dense composite: a PFFN training step measures 0.63-0.75x of
     # plain Inductor's (benchmarks/results/models_h200.json; its padded rows are computed too). Inference is fused.
     attention_block_training: bool = Config(default=_env_bool("FUSENORM_ATTENTION_BLOCK_TRAINING", False))
     # The dense padded composite's form (attention_block_dense) at all. Off by default: the rewrite cannot read
@@ -115,7 +115,7 @@ class patterns:
 # (fusenorm_inductor/kernels/hopper/) where they take the inputs (sm_90 GPU, a triton with the Gluon API,
 # 16-bit TMA-aligned operands, for post-norm N up to 8192 split evenly over a cluster); elsewhere, or off, the
 # `tl` kernels run. On by default since their numerics passed on the
-# H200 and they beat the `tl` kernels at every shape measured (README, Performance); the per-shape dispatch
+# H200 and they beat the `tl` kernels at every shape measured (docs/performance.md); the per-shape dispatch
 # still keeps a shape unfused where the fused kernel does not win.
 gluon: bool = Config(default=_env_bool("FUSENORM_GLUON", True))
 
@@ -158,7 +158,7 @@ class tuning:
     # The same for a deferred-normalization site: its forward GEMMs in sequence, timed in turn with Inductor's
     # own compiled site on the same inputs (medians of alternating rounds), so no estimate is in the
     # comparison and the margin only has to cover the timings' spread. It must stay well below the norm's
-    # share of the site, which is all a deferral can save (docs/performance.md, "Deferred normalization"):
+    # share of the site, which is all a deferral can save (docs/performance.md, "Norms between linears"):
     # with the whole-row margins no site ever deferred.
     margin_deferred: float = 0.05
     # The same for a training step (the fused forward with the backward it implies against Inductor's forward

@@ -1,4 +1,4 @@
-"""The compatibility contract (README, "Compatibility"): each way users run torch.compile works with
+"""The compatibility contract (docs/support.md, "Compatibility"): each way users run torch.compile works with
 backend="fusenorm", compiled vs eager (outputs and every gradient, fresh random inputs, 257 rows), and fusenorm
 either fused (exact counts, and the fused ops really run: the profiler sees them) or declined with a reason.
 

@@ -157,7 +157,7 @@ def _known_spill(v) -> bool:
 
 
 # Triton 3.9 spills every 256-wide backward candidate of LayerNorm with an affine weight (8-104 bytes): those
-# shapes run the tl kernels there (README, "Gluon kernels for Hopper").
+# shapes run the tl kernels there (docs/support.md, "Hopper kernels").
 _NO_CLEAN_BWD_NEXT = {(256, "ln_full"), (256, "ln_normed")}
 
 

@@ -19,7 +19,7 @@ then timed through it (do_bench medians, the L2 flushed). M = 262144, bf16, B an
 
 Results (an H100, torch 2.11, 2026-12-06): benchmarks/results/deferred_mm_candidates_triton39_h100.json
 (triton 3.9.0 carried), deferred_mm_candidates_rs_h100.json and deferred_mm_candidates_roles_h100.json
-(triton 3.6.0); findings in docs/performance.md, "Deferred normalization".
+(triton 3.6.0); findings in docs/history/performance-log.md, "Deferred normalization".
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ unless given:
 
 Results (2026-12-05): benchmarks/results/probe_deferred_regimes_h200.txt (regimes, kernels, span; an H200;
 the regimes part with ``--tuning-rep 10``, as bench_deferred_norm runs) and probe_deferred_regimes_graph_h100.txt
-(graph; an H100). Findings: docs/performance.md,
+(graph; an H100). Findings: docs/history/performance-log.md,
 "Deferred normalization".
 """
 

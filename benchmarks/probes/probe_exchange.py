@@ -5,7 +5,7 @@
 For each K x N (M = 262144, bf16) and variant (ln, ln_aff = LayerNorm with weight and bias, rms), prints the
 tuner's unfused estimate, each candidate's time (ms, CUDA-graph GPU time), the best, and the best config with
 the norm switched off; forward (y = norm(a @ W.T)) and backward (dx = norm_backward(dz @ W2)). Used to choose
-between the row-exchange designs (docs/design.md); results: benchmarks/results/probe_exchange_h200.txt.
+between the row-exchange designs (docs/history/design-history.md); results: benchmarks/results/probe_exchange_h200.txt.
 
 The times are the tuner's own (``tuning.measure``: its candidates' times, and its timer for the GEMM base), so
 that the base compares with the candidates; the tuning cache goes to /tmp/fusenorm-probe-cache.

@@ -14,7 +14,7 @@ call counts without CUDA graphs), and they then fuse less.
         --d 512 --backend fusenorm --tag $tag; done
     python benchmarks/probes/probe_first_step.py --d 512 --backend inductor --tag inductor
 
-Result (2026-12-06, an H100): benchmarks/results/first_step_cache_h100.json; docs/performance.md, "The first
+Result (2026-12-06, an H100): benchmarks/results/first_step_cache_h100.json; docs/history/performance-log.md, "The first
 step with warm decision caches".
 """
 

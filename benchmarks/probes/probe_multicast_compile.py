@@ -4,7 +4,7 @@ multicasts to both CTAs, for sm_90a?
 Why: cuBLAS runs the deferred chain's GEMMs (M = 262144, K = N = 1024) as 256x128 tiles in clusters of two
 CTAs with the shared operand multicast (its kernel names say ``..._1x2_...``), and the plugin's Gluon GEMMs,
 one CTA per tile, ran 4% (alone) to 15-25% (in the chain, under load) over it on the H200
-(docs/performance.md, "Deferred normalization"). Triton 3.6's Gluon has no multicast; the multi-CTA model of
+(docs/history/performance-log.md, "Deferred normalization"). Triton 3.6's Gluon has no multicast; the multi-CTA model of
 newer ones (``num_ctas`` at compile time, ``cga_layout`` on layouts: a tensor sharded over the cluster's CTAs or
 broadcast to all of them) does. This compiles one tile of that shape: A [2 * BM, BK] sharded along M (each CTA
 its BM rows), B [BN, BK] broadcast (``tma.async_load(..., multicast=True)``), each CTA's wgmma on its half, the

@@ -2,7 +2,7 @@
 
 Why: ``probe_multicast_gemm.py`` ran at cuBLAS's time from K = N = 1024 on an H100 (results
 ``probe_multicast_run_h100.txt``), where the deferred kernels on triton 3.6's mainloop run 13-26% over it
-(docs/performance.md). Deferral hides a norm only if its GEMMs keep that speed with the deferred epilogue
+(docs/history/performance-log.md). Deferral hides a norm only if its GEMMs keep that speed with the deferred epilogue
 added. This is the costliest epilogue of a chain, the link ``linear -> RMSNorm -> linear -> RMSNorm``'s
 middle GEMM, on the same mainloop (``probe_multicast_gemm.mainloop``):
 

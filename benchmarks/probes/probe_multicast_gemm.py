@@ -1,7 +1,7 @@
 """Probe (CPU now, GPU later): a persistent, warp-specialized GEMM whose CTA pairs share B by TMA multicast,
 written in the multi-CTA model of newer tritons' Gluon, compiled for sm_90a.
 
-Why: at K = N = 1024 the deferred GEMMs ran 13-26% over cuBLAS (docs/performance.md, "Deferred
+Why: at K = N = 1024 the deferred GEMMs ran 13-26% over cuBLAS (docs/history/performance-log.md, "Deferred
 normalization"), whose kernel for these shapes (``nvjet_sm90_tst_128x256_64x4_2x1``) runs CTA pairs that load
 the shared operand once. ``probe_multicast_compile.py`` showed that triton 3.9's Gluon compiles one such tile;
 this writes the whole mainloop, which needs a stage of B released by *both* CTAs before it is loaded again:

@@ -9,7 +9,7 @@ exactly one launch per role, in the order given (roles as in ``probe_deferred_ca
         python benchmarks/probes/profile_deferred_once.py --roles plain,prod_ln,link_ln --kind gl_pp
 
 Figures (an H100, triton 3.6, 2026-12-06, from an uncommitted script that launched the same): in the meta of
-benchmarks/results/deferred_mm_candidates_roles_h100.json; findings in docs/performance.md, "Output
+benchmarks/results/deferred_mm_candidates_roles_h100.json; findings in docs/history/performance-log.md, "Output
 statistics summed in registers".
 """
 

@@ -2,7 +2,7 @@
 
 The norm's input y is written by its producer as usual; the producer's epilogue also writes *partial* row
 statistics of y, one per tile of ``tile`` columns; each consumer applies the norm where it reads y
-(docs/design.md "Deferred normalization", docs/algorithms.md). No kernel needs another's data, and
+(docs/support.md "Deferred normalization", docs/algorithms.md). No kernel needs another's data, and
 norm(y) is never written where only GEMMs read it. Two ops:
 
 ``fusenorm::deferred_mm(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile,

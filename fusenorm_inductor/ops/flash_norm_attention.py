@@ -35,7 +35,7 @@ Backward: ln_q is rebuilt from q and the saved LayerNorm statistics (never saved
 is saved (rms_in), not derived from the output as (out - q) / (rms_rstd * rms_weight) (the seed's way), which
 divides by rms_weight (infinite or garbage where a weight is ~0) and cancels where |q| >> |out - q| (bf16 out
 rounded at |q| loses o's low bits); nor recomputed as P V + ln_q, which cost the first backward two more
-matmuls per head and S tile (measured on the H200: docs/design.md, Attention). Saved for the backward: q,
+matmuls per head and S tile (measured on the H200: docs/history/, Attention). Saved for the backward: q,
 the three statistics and o, one [T, H, D] tensor fewer than the unfused graph keeps (ln_q and the attention
 output or o); under no_grad o is a temporary of the op.
 

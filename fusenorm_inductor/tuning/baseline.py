@@ -209,7 +209,7 @@ def time_compiled(fn: Callable, inputs: list, what: str, against: Optional[Calla
     ``against``: the fused side's call; then Inductor's code and it are timed in ``ALTERNATING_ROUNDS``
     alternating rounds and the result is (Inductor's median ms, host us, the fused side's median ms): the
     GPU's clock moves with its load (on the H200 the same GEMM measured 0.76-0.89 ms from one run to the
-    next, docs/performance.md), so two sides timed one after the other can differ by more than a margin."""
+    next, docs/history/performance-log.md), so two sides timed one after the other can differ by more than a margin."""
     device = inputs[0].device
 
     def work():
@@ -341,7 +341,7 @@ def enabled(device: torch.device) -> bool:
 
 
 # Inductor's code for these subgraphs ran within 10% of the estimate's GPU time on every shape measured on the
-# H200 (docs/design.md); with twice that as slack, a fused time farther than this from the margin's line
+# H200 (docs/history/design-history.md); with twice that as slack, a fused time farther than this from the margin's line
 # decides the same against either, and the nested compile is not worth its seconds.
 BAND = 0.2
 

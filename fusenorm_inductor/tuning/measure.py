@@ -727,7 +727,7 @@ def _call_overhead_us() -> float:
 def fused_host_us(launch: Callable[[], object], gpu_ms: Optional[float] = None) -> Optional[float]:
     """A fused op's host time per call in a compiled graph: ``launch``'s host time (``gpu_ms``: its GPU time,
     see ``host_us``) plus what the call costs around it (``_call_overhead_us``: with direct graph calls about
-    the unfused pair's, through the dispatcher 15-40 us more; docs/design.md, "Graph calls")."""
+    the unfused pair's, through the dispatcher 15-40 us more; docs/history/design-history.md, "Graph calls")."""
     t = host_us(launch, gpu_ms=gpu_ms) if torch.cuda.is_available() else None
     if t is None:
         return None

@@ -417,7 +417,7 @@ def candidates(a: Tensor, b: Tensor, out_tile: int, residual: bool = False, res_
     norm = RMS if out_tile else NONE
     out = [c for c in out if c is not None and out_group(c.block_n, n, norm, out_tile) is not None]
     # The output statistics summed in registers: faster in the ping-pong tiles' links up to N = 512, within
-    # noise or slower elsewhere and on the 256-wide tiles (docs/performance.md), so timed as a candidate of
+    # noise or slower elsewhere and on the 256-wide tiles (docs/history/performance-log.md), so timed as a candidate of
     # its own (one more compile per site) only there, for the passes' statistics tile of 128 where N is a
     # multiple of it: narrower groups, or LayerNorm's masking where a group straddles N, spill in it
     regs = [c._replace(stats_regs=True) for c in out

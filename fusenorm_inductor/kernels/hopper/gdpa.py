@@ -121,7 +121,7 @@ def fna_flags(ln_weight: bool, ln_bias: bool, rms_weight: bool = False, *, stage
 
 # FlashNormAttention's attention step with the LayerNorm statistics of each Q tile staged in shared memory by
 # the loader (FLAG_STAGED_STATS), instead of the consumer reading them from global memory in the middle of its
-# tile (a few per cent faster on the H200, docs/design.md); a switch so the benchmarks can time both.
+# tile (a few per cent faster on the H200, docs/history/design-history.md); a switch so the benchmarks can time both.
 STAGE_STATS = True
 
 

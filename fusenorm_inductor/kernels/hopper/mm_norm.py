@@ -370,7 +370,7 @@ def cluster_size(n: int, bn: int = MAX_TILE_N) -> Optional[int]:
 
 def candidates(a: Tensor, b: Tensor, save_normed: bool) -> list:
     """Configurations worth timing for this shape, best guess first (short: each is timed once per shape).
-    From the H200 probe (docs/design.md): ping-pong 128-row tiles up to N = 128; at N = 256 the 128x256
+    From the H200 probe (docs/history/design-history.md): ping-pong 128-row tiles up to N = 128; at N = 256 the 128x256
     cooperative tile wins at large K and the 64-row ones at small K; wider rows take 128x256 tiles in clusters
     (128x128 tiles were never the best, 16-CTA clusters ran their GEMM at 1.6x cuBLAS time)."""
     k = a.shape[1]
@@ -401,7 +401,7 @@ def plain_candidates(n: int, k: int) -> list:
     """The core's configurations for a plain GEMM (``gemm_only``) of n columns on the tile schedule, where no
     row statistics tie a row's tiles together: what the benchmark times against cuBLAS as "the GEMM core".
     The 128x256 cooperative tile ran at cuBLAS speed from K = 1024 up; the 128x128 tiles won at K = 256
-    (docs/design.md, third round)."""
+    (docs/history/design-history.md, third round)."""
     bk = 64 if k >= 64 else 32
     out = [fit_config("gl_coop", 128, 256, bk, 3, 8, 1)] if n > 128 else []
     out += [fit_config("gl_pp", 128, 128, bk, 5, 4, 2), fit_config("gl_coop", 128, 128, bk, 6, 4, 1)]

@@ -1,7 +1,7 @@
 """The GEMM mainloop of CTA pairs, for tritons whose Gluon has the multi-CTA API (3.9 here; not 3.6).
 
 Why a second mainloop: at K = N = 1024 the deferred GEMMs on ``gemm_core`` ran 13-26% over cuBLAS, whose
-kernel for those shapes runs CTA pairs that load the shared operand once (docs/performance.md). Here the pair
+kernel for those shapes runs CTA pairs that load the shared operand once (docs/history/). Here the pair
 is one program (``num_ctas=2``): ``c [2 * BM, BN] = A [2 * BM, :] @ B [BN, :]^T``, A sharded over the two
 CTAs (each loads its BM rows), B [BN, BK] loaded once by CTA 0 and multicast into both CTAs' shared memory.
 

@@ -41,8 +41,8 @@ per-(S tile, b, h) dK/dV kernel), measured 0.565 / 2.348, 2.313 / 9.001 and 0.70
 in the forward at H <= 4 (10% faster at H = 1), 36-38% slower in the backward. Its loop over the heads around
 the S-tile loop took the forward to 238-255 registers per thread (136 for one head: sm_90 compile), 2 CTAs
 per SM instead of 3, and its backward's 64-row tiles spilled. It was removed after that measurement
-(docs/design.md, Attention, second round). Both are about 2x the GDPA kernels' time: neither beats GDPA +
-Inductor's norms by the issue's margin (README, Performance).
+(docs/history/, Attention, second round). Both are about 2x the GDPA kernels' time: neither beats GDPA +
+Inductor's norms by the issue's margin (docs/performance.md).
 
 MMA operands are q's dtype (ln_q, P, d(o), dS rounded to it, as the reference does), accumulation fp32; fp32
 inputs use ``dot_input_precision`` (exact unless TF32 is allowed for CUDA matmuls).
@@ -68,7 +68,7 @@ __all__ = ["FnaConfig", "fna_config", "flash_norm_attention_triton", "flash_norm
 GLUON_ATTENTION = True
 # Where H = 1 the norms span one tile, and the whole forward (the LayerNorm's statistics, the attention, the
 # RMSNorm and both residuals) runs as one Gluon kernel (kernels/hopper/gdpa.py, fna_block_gluon) instead of three
-# launches, which measures as fast as or faster than the three (docs/design.md); a switch so the benchmarks can
+# launches, which measures as fast as or faster than the three (docs/history/); a switch so the benchmarks can
 # time the three-kernel path beside it.
 GLUON_BLOCK = True
 

@@ -253,7 +253,7 @@ def _check_head_dim(d: int) -> None:
 
 _GLUON_SPILLED: set = set()  # signatures whose Gluon specialization spilled: the Triton kernel serves them
 # The Gluon backward (kernels/hopper/gdpa.py: dQ, dK/dV) on sm_90 where it takes the inputs; a switch so the
-# benchmarks and tests can time and check the Triton backward beside it (results in docs/design.md).
+# benchmarks and tests can time and check the Triton backward beside it (results in docs/history/design-history.md).
 GLUON_BACKWARD = True
 
 

@@ -17,7 +17,7 @@ weight or a row-major [K, N] matrix, 16-byte aligned rows), persistent TMA-fed k
   partials (LayerNorm tile mean and M2, RMSNorm sum of squares) and bumps its row block's counter. "spin":
   the tiles of a row block run in the same wave and wait for each other, then normalize their own registers
   (the DSMEM exchange, through L2). "coop": nobody waits; each tile also writes its h to a scratch and the
-  last one to arrive normalizes the whole row block from there. docs/design.md compares them.
+  last one to arrive normalizes the whole row block from there. docs/history/design-history.md compares them.
 Otherwise the pointer-load kernels (any strides and dtypes, fp32 too), chosen by ``gemm_config``:
 - single tile (N <= 256): ``_mm_norm_fwd_fused_kernel`` owns BLOCK_M full rows, grid cdiv(M, BLOCK_M).
 - multi tile (N > 256):
@@ -209,7 +209,7 @@ def _mm_norm_fwd_tma_kernel(
     persistent, flattened loop over row blocks, so the next block's loads overlap this block's epilogue.
     GEMM_ONLY stores h = a @ b as y and skips the norm (the benchmark's "GEMM base" measurement).
     Y_TMA: y leaves through a TMA store (y_desc, box [BLOCK_M, BLOCK_N], clipped at M and N), which the
-    H200 probe measured 3-6% faster than pointer stores at N = 256 (docs/design.md); hh, only written with
+    H200 probe measured 3-6% faster than pointer stores at N = 256 (docs/history/); hh, only written with
     an affine norm, keeps pointer stores (a second staging tile would not fit shared memory).
     """
     k_tiles = tl.cdiv(K, BLOCK_K)
