@@ -20,6 +20,7 @@ setup(
         "fusenorm_inductor.kernels.triton", "fusenorm_inductor.tuning",
         "fusenorm_inductor.kernels.hopper", "fusenorm_inductor.backends",
     ],
+    package_data={"fusenorm_inductor.tuning": ["tables/*.json"]},  # the default mode's decision tables
     py_modules=["fusenorm"],
     install_requires=["torch>=2.11", "sympy"],
     extras_require={

@@ -32,6 +32,9 @@ MODES = ("infer", "train")
 NORM_OF = {"post": "ln", "pre": "ln", "chain": "rms"}
 SHAPES = "256x256,384x768,512x512,1024x1024,2048x2048"
 ROWS = "32768,262144"
+# The timer's own floor: an A/A that happens to land on 1.000 does not make 0.5% below it a slowdown (points
+# where nothing was fused compile to Inductor's own code and scatter by about that much).
+NOISE = 0.01
 DRY = {"shapes": "32x48", "rows": "64", "rounds": 2, "calls": 1}
 
 
@@ -122,7 +125,7 @@ def measure_point(p: dict, args, device: str, dtype) -> dict:
     row.update({f"t_{k}_ms": v / args.calls for k, v in med.items()})
     row["speedup"] = common.ratio_median(times, "inductor", "fusenorm")
     row["aa"] = common.ratio_median(times, "inductor", "inductor_aa")
-    row["slower"] = row["speedup"] < 1 - abs(1 - row["aa"])
+    row["slower"] = row["speedup"] < 1 - max(abs(1 - row["aa"]), NOISE)
     if device == "cuda":
         for name in ("inductor", "fusenorm"):
             row[f"peak_{name}_mib"] = common.peak_mib(fns[name])
@@ -191,7 +194,9 @@ def _data(rows, args, device, dtype, dry) -> dict:
                      "timer": "CUDA events around --calls plain calls (no CUDA graphs), rotating rounds, medians",
                      "metrics": {"speedup": "median over rounds of t_inductor / t_fusenorm",
                                  "aa": "median over rounds of t_inductor / t_inductor_aa (a second compile)",
-                                 "slower": "speedup < 1 - |1 - aa|"}},
+                                 "slower": f"speedup < 1 - max(|1 - aa|, {NOISE})"},
+                     "fusenorm_decisions": {"1": "measured (FUSENORM_TUNE=1)", "0": "every match fused (FUSENORM_TUNE=0)"}.get(
+                         os.environ.get("FUSENORM_TUNE", ""), "the default mode's table")},
             "rows": rows, "summary": summarize(rows)}
 
 

@@ -41,6 +41,13 @@ def _env_bool(name: str, default: bool) -> bool:
     return _parse_bool(name, os.environ.get(name), default)
 
 
+def _env_opt_bool(name: str) -> bool | None:
+    """``_env_bool`` where unset or empty means None (the option's automatic setting)."""
+    _ENV_VARS.append(name)
+    raw = os.environ.get(name)
+    return None if not (raw or "").strip() else _parse_bool(name, raw, False)
+
+
 def _env_str(name: str) -> str | None:
     """The string in environment variable ``name``; None where it is unset or empty."""
     _ENV_VARS.append(name)
@@ -136,9 +143,12 @@ class tuning:
     is fused at all (tuning/decide.py: only when the fused kernel beats Inductor's own code for the subgraph
     there)."""
 
-    # Measure on CUDA (once per shape, cached on disk). Off: every match is fused with the kernels' first
+    # How a match is decided on CUDA. None (the default): by the compile's mode: the default mode reads the
+    # shipped table of the project's measurements for this GPU (tuning/table.py: no timing, no nested compile;
+    # shapes or GPUs it has not measured are left to Inductor), mode="max-autotune" measures. True: measure
+    # (once per shape, cached on disk) in any mode. False: every match is fused with the kernels' first
     # candidate configuration (the tests do this, so that small shapes are fused and checked).
-    measure: bool = Config(default=_env_bool("FUSENORM_TUNE", True))
+    measure = Config(default=_env_opt_bool("FUSENORM_TUNE"), value_type=bool)
     # Time the unfused side of the decisions as Inductor's own compiled code for the matched
     # subgraph (tuning/baseline.py: one small Inductor compile per shape, cached with the measurements). Off:
     # estimate it as cuBLAS + a norm at copy speed (no nested compile).
@@ -267,6 +277,8 @@ def _path_or_none(v: object) -> bool:
 _VALUES = {
     "debug_dir": (_path_or_none, "a non-empty directory path (str or os.PathLike) or None"),
     "tuning.cache_dir": (_path_or_none, "a non-empty directory path (str or os.PathLike) or None"),
+    "tuning.measure": (lambda v: v is None or isinstance(v, bool),
+                       "None (the mode decides), True (measure) or False (fuse every match)"),
     "tuning.margin": (_number(0.0, 1.0), "a fraction in [0, 1)"),
     "tuning.margin_gluon": (_number(0.0, 1.0), "a fraction in [0, 1)"),
     "tuning.margin_deferred": (_number(0.0, 1.0), "a fraction in [0, 1)"),

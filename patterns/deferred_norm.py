@@ -57,7 +57,7 @@ from fusenorm_inductor.report import GraphReport
 from fusenorm_inductor.tuning.decide import Choice
 from fusenorm_inductor.tuning.norm_mm import prenorm_norm_ms
 from fusenorm_inductor.tuning.deferred_norm import Consumer, Site, dgrad_unsupported, fp32_output_gemm, site_choice, \
-    stats_tile
+    x_tile
 from fusenorm_inductor.tuning.deferred_norm import Producer as SiteProducer
 
 from .base import Pattern, bind_op_args, getitem_users, is_op, require
@@ -361,14 +361,13 @@ class DeferredNorm(Pattern):
         rows = xv.numel() // n
         code = dops.RMS if args["is_rms"] else dops.LN
         training = JOINT.training(graph)
+        tile = x_tile(n, m.producer is not None)
         if m.producer is not None:
-            tile = stats_tile(n)
             x2, stats = self.rewrite_producer(graph, m.producer, code, tile, rows, n)
         else:
-            tile = n
             with graph.inserting_before(norm):
                 x2 = fx_utils.reshape(graph, args["x"], [rows, n])
-                stats = fx_utils.inline(graph, lambda t: dops.partial_stats(t, code, n), [x2])
+                stats = fx_utils.inline(graph, lambda t: dops.partial_stats(t, code, tile), [x2])
         houts = []  # the consumers' outputs [M, N2]
         for u, g in m.consumers:
             with graph.inserting_before(u):

@@ -27,7 +27,8 @@ from torch.fx import Node
 
 from fusenorm_inductor import config, fx_utils
 from fusenorm_inductor.fx_utils import flat_like, val
-from fusenorm_inductor.tuning.decide import Choice
+from fusenorm_inductor.tuning import measure
+from fusenorm_inductor.tuning.decide import Choice, charged
 from fusenorm_inductor.tuning.mm_norm import describe_mm_norm, forward_choice
 from fusenorm_inductor.report import GraphReport
 
@@ -95,7 +96,7 @@ class LinearNormFwd(Pattern):
             self.check_residual(val(residual), val(x))
         self.check_not_deferred(norm, val(x), view)
         self.check_input_not_deferred(gemm, val(x), view)
-        choice = self.check_speed(args, av, bv, biasv, residual, view.has_backward(norm))
+        choice = self.check_speed(args, av, bv, biasv, residual, view.has_backward(norm), _own_kernel_readers(norm))
         return PostNormMatch(norm, args, out, gemm.a, gemm.b, gemm.bias, residual, chain, backward, choice)
 
     def check_not_deferred(self, norm: Node, xv: torch.Tensor, view: GraphView) -> None:
@@ -124,8 +125,12 @@ class LinearNormFwd(Pattern):
                 raise Reject(f"the linear reads a norm of a row of {width} (wider than one tile): it is that "
                              "norm's consumer under deferred normalization (deferred_norm)")
 
-    def check_speed(self, args, av: torch.Tensor, bv: torch.Tensor, biasv, residual, has_backward: bool) -> Choice:
-        """Fused only where it was measured to beat cuBLAS + the norm on this shape (always on CPU)."""
+    def check_speed(self, args, av: torch.Tensor, bv: torch.Tensor, biasv, residual, has_backward: bool,
+                    readers: list) -> Choice:
+        """Fused only where it was measured to beat cuBLAS + the norm on this shape (always on CPU). Where
+        pointwise code reads the norm's output (an activation), Inductor fuses it into its norm kernel for free,
+        while after the fused kernel it is a kernel of its own: a read and a write of [M, N] more, charged to
+        the fused side."""
         av = fx_utils.hinted(av)
         res2 = flat_like(val(residual), av.shape[0], bv.shape[1]) if residual is not None else None
         affine = args["weight"] is not None or args["bias"] is not None
@@ -134,6 +139,10 @@ class LinearNormFwd(Pattern):
             args["is_rms"], args["out_dtype"] or val(args["x"]).dtype, affine and has_backward,
             training=has_backward,  # a training graph: the decision judges the whole step
         )
+        if readers and choice.fuse and choice.t_fused_ms is not None:
+            extra = measure.norm_proxy_ms(av.shape[0], bv.shape[1], av.dtype, 2, av.device)
+            choice = charged(choice, extra, f"{describe(readers[0])} reads the norm's output in a kernel of its "
+                                            "own, where Inductor fuses it into its norm kernel")
         require(choice.fuse, choice.reason)
         return choice
 
@@ -221,6 +230,18 @@ class LinearNormFwd(Pattern):
             f"{fx_utils.dynamic_note(mv, m.choice.t_fused_ms is not None)}"
             f"{'; its output feeds a linear: taken here before pre-norm (norm_linear_fwd)' if feeds_linear else ''}",
         )
+
+
+def _own_kernel_readers(norm: Node) -> list[Node]:
+    """The readers of the norm's output (directly or through a view) that are neither a linear nor the graph's
+    output: pointwise code that Inductor would fuse into its norm kernel."""
+    out = []
+    for y in getitem_users(norm).get(0, []):
+        for u in y.users:
+            for g in (list(u.users) if is_op(u, *VIEWS) else [u]):
+                if not is_op(g, *GEMMS) and g.op != "output":
+                    out.append(g)
+    return out
 
 
 def _feeds_linear(y: Node) -> bool:

@@ -34,7 +34,7 @@ BOOL_OPTIONS = {
     "gluon": ("FUSENORM_GLUON", True),
     "quack": ("FUSENORM_QUACK", True),
     "spin_exchange": ("FUSENORM_SPIN_EXCHANGE", True),
-    "tuning.measure": ("FUSENORM_TUNE", True),
+    "tuning.measure": ("FUSENORM_TUNE", None),  # None: the mode decides (default: the table; max-autotune: measure)
     "tuning.measure_inductor": ("FUSENORM_TUNE_INDUCTOR", True),
     "tuning.agree_across_ranks": ("FUSENORM_AGREE_ACROSS_RANKS", True),
     "fallback_on_error": ("FUSENORM_FALLBACK_ON_ERROR", True),
@@ -248,7 +248,7 @@ BAD_VALUES = [
     ("enabled", "no"),  # a non-empty string is true to Python: it used to turn fusenorm on
     ("enabled", 1),
     ("patterns.linear_norm_fwd", "off"),
-    ("tuning.measure", None),
+    ("tuning.measure", "yes"),
     ("tuning.margin", -5),
     ("tuning.margin", 1.0),
     ("tuning.margin", float("nan")),

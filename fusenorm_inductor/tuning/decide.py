@@ -27,7 +27,7 @@ This module imports no kernel module (the op's tuning module measures), and no k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -35,7 +35,7 @@ from torch import Tensor
 
 from .. import config
 from ..backends import gluon_off  # noqa: F401 - the ops' tuning modules take it from here
-from . import measure
+from . import measure, table
 
 __all__ = ["Choice"]
 
@@ -69,20 +69,12 @@ def _choice(key, device, measure_fn: Callable[[], dict], default_label: Callable
     choice, entry = _forward_choice(key, device, measure_fn, default_label, what, margin)
     if step_fn is None or not choice.fuse or choice.t_fused_ms is None:
         return choice
+    if entry.get("unfused_by") == TABLE:
+        return _step_judge(entry, choice, "estimated from the table:")
     if "t_fused_step_ms" not in entry:
         entry = measure.agreed(key + ("step",), lambda: {**entry, **step_fn()})
         measure.store(key, entry, bucket=True)
-    t_fs, t_us = entry.get("t_fused_step_ms"), entry.get("t_unfused_step_ms")
-    if not (isinstance(t_fs, (int, float)) and isinstance(t_us, (int, float))):
-        return Choice(False, choice.config, f"left unfused: the training step could not be measured, and a "
-                                            f"forward that wins alone may lose the step ({choice.reason})",
-                      choice.t_fused_ms, choice.t_unfused_ms)
-    fuse = t_fs < t_us * (1.0 - config.tuning.margin_step)
-    verdict = "fused" if fuse else "left unfused: fusion would not win the training step"
-    reason = (f"{verdict} (measured the training step: {t_fs:.4g} ms fused forward + the backward it implies "
-              f"[{choice.config}] vs {t_us:.4g} ms Inductor's forward + backward, CUDA events, no CUDA graphs; the "
-              f"forward alone: {choice.reason})")
-    return Choice(fuse, choice.config, reason, choice.t_fused_ms, choice.t_unfused_ms)
+    return _step_judge(entry, choice, "measured")
 
 
 def _forward_choice(key, device, measure_fn: Callable[[], dict], default_label: Callable[[], str],
@@ -93,6 +85,8 @@ def _forward_choice(key, device, measure_fn: Callable[[], dict], default_label: 
     if torch.are_deterministic_algorithms_enabled():
         why = "not measured: deterministic algorithms are on, and timings are not deterministic"
         return Choice(True, default_label(), f"fused ({why})"), None
+    if measure.decisions(device) == "table":
+        return _table_choice(key, device, what, margin)
     if not can:
         return Choice(True, default_label(), "fused (not measured (config.tuning.measure off))"), None
 
@@ -106,15 +100,21 @@ def _forward_choice(key, device, measure_fn: Callable[[], dict], default_label: 
         return entry
 
     entry = measure.agreed(key, decided)
+    if entry["t_unfused_ms"] is None:
+        return Choice(True, measure.config_of(entry).label(), f"fused ({_PROBE_FAILED})"), entry
+    return _judge(entry, device, what, margin, "measured"), entry
+
+
+def _judge(entry: dict, device, what: str, margin: Optional[float], how: str) -> Choice:
+    """The forward's verdict on a decision entry's times (measured, or the table's): fused only when faster
+    by the margin, each side taking at least its weighted host time where the graph runs without CUDA graphs."""
     t_f, t_u = entry["t_fused_ms"], entry["t_unfused_ms"]
     label = measure.config_of(entry).label()
-    if t_u is None:
-        return Choice(True, label, f"fused ({_PROBE_FAILED})"), entry
     margin = measure.margin_for(label) if margin is None else margin
     host = ""
     h_f, weight = entry.get("h_fused_us"), config.tuning.host_weight
     use_host = isinstance(h_f, (int, float)) and weight > 0 and measure.host_counts()
-    inductor = entry.get("unfused_by") == "inductor"
+    inductor = entry.get("unfused_by") in ("inductor", TABLE)
     if inductor:
         what = "Inductor's compiled unfused subgraph"
     h_u = None
@@ -122,7 +122,8 @@ def _forward_choice(key, device, measure_fn: Callable[[], dict], default_label: 
         # Inductor's compiled subgraph, timed alone, also pays its wrapper's call and input checks, which a
         # user's step pays once per graph, not per site: per site the unfused side costs at least the bare
         # GEMM call plus one launch, so the lower figure is the one that cannot overstate it.
-        known = [h for h in (entry.get("h_unfused_us") if inductor else None, measure.unfused_host_us(device))
+        known = [h for h in (entry.get("h_unfused_us") if inductor else None,
+                             measure.unfused_host_us(device) if how == "measured" else None)
                  if isinstance(h, (int, float))]
         h_u = min(known) if known else None
     if h_u is not None:
@@ -132,8 +133,65 @@ def _forward_choice(key, device, measure_fn: Callable[[], dict], default_label: 
         t_f, t_u = max(t_f, weight * h_f / 1e3), max(t_u, weight * h_u / 1e3)
     fuse = t_f < t_u * (1.0 - margin)
     verdict = "fused" if fuse else "left unfused: fusion would not win"
-    reason = f"{verdict} (measured {t_f:.4g} ms fused [{label}] vs {t_u:.4g} ms {what}{host})"
-    return Choice(fuse, label, reason, t_f, t_u), entry
+    reason = f"{verdict} ({how} {t_f:.4g} ms fused [{label}] vs {t_u:.4g} ms {what}{host})"
+    return Choice(fuse, label, reason, t_f, t_u)
+
+
+def _step_judge(entry: dict, choice: Choice, how: str) -> Choice:
+    """The training step's verdict (``_choice``) on an entry's step times."""
+    t_fs, t_us = entry.get("t_fused_step_ms"), entry.get("t_unfused_step_ms")
+    if not (isinstance(t_fs, (int, float)) and isinstance(t_us, (int, float))):
+        missing = "could not be measured" if how == "measured" else "has no times in the table here"
+        return Choice(False, choice.config, f"left unfused: the training step {missing}, and a "
+                                            f"forward that wins alone may lose the step ({choice.reason})",
+                      choice.t_fused_ms, choice.t_unfused_ms)
+    fuse = t_fs < t_us * (1.0 - config.tuning.margin_step)
+    verdict = "fused" if fuse else "left unfused: fusion would not win the training step"
+    reason = (f"{verdict} ({how} the training step: {t_fs:.4g} ms fused forward + the backward it implies "
+              f"[{choice.config}] vs {t_us:.4g} ms Inductor's forward + backward, CUDA events, no CUDA graphs; the "
+              f"forward alone: {choice.reason})")
+    return Choice(fuse, choice.config, reason, choice.t_fused_ms, choice.t_unfused_ms)
+
+
+def charged(choice: Choice, extra_ms: Optional[float], why: str) -> Choice:
+    """``choice`` with ``extra_ms`` more on its fused side (work the fusion adds outside the timed kernel),
+    judged again by its margin; unfused where the extra is unknown (no copy bandwidth)."""
+    if extra_ms is None:
+        return replace(choice, fuse=False, reason=f"left unfused: {why}, and its cost is unknown ({choice.reason})")
+    t_f = choice.t_fused_ms + extra_ms
+    fuse = t_f < choice.t_unfused_ms * (1.0 - measure.margin_for(choice.config))
+    verdict = "fused" if fuse else "left unfused: fusion would not win"
+    return Choice(fuse, choice.config, f"{verdict} ({t_f:.4g} ms fused with {extra_ms:.4g} ms more: {why}; "
+                                       f"{choice.reason})", t_f, choice.t_unfused_ms)
+
+
+TABLE = "table"  # ``unfused_by`` of the entries the table's decisions keep in the process (never on disk)
+
+
+def _table_choice(key, device, what: str, margin: Optional[float]) -> tuple[Choice, Optional[dict]]:
+    """The default mode's decision (tuning/table.py): the verdict on the table's bracketing points and on the
+    times interpolated between them, fused only where all three win; the entry (the estimate, with the
+    nearer point's configuration) is kept in this process for the launches' ``tuned_config``."""
+    cached = measure.lookup(key)
+    if cached is not None and cached.get("unfused_by") not in (None, measure.LAUNCH_ONLY, TABLE) \
+            and cached.get("t_unfused_ms") is not None:
+        # measured before in this mode (config.tuning.measure = True once): the measurement decides
+        return _judge(cached, device, what, margin, "measured"), cached
+    points, why = table.lookup(key, device, measure._context())
+    if points is None:
+        return Choice(False, "-", f"left unfused: {why} (the default mode decides from the project's measured "
+                                  "table without timing; mode='max-autotune' or config.tuning.measure = True "
+                                  "measures this shape)"), None
+    lo, hi, est = points
+    entry = {**est, "unfused_by": TABLE}
+    span = f"M {lo['M']}" if lo is hi else f"M {lo['M']}..{hi['M']}"
+    how = f"estimated from the {table.measured_by(device)} at {span}:"
+    choice = _judge(entry, device, what, margin, how)
+    if choice.fuse and not all(_judge({**p, "unfused_by": TABLE}, device, what, margin, how).fuse for p in (lo, hi)):
+        choice = replace(choice, fuse=False, reason=choice.reason.replace(
+            "fused (", "left unfused: a measured point beside this shape did not win (", 1))
+    measure.store(key, entry)
+    return choice, entry
 
 
 def _describe(t: torch.Tensor, op: str) -> str:

@@ -27,11 +27,11 @@ from torch import Tensor
 
 from .. import backends, config
 from ..backends import DeferredCase
-from . import baseline, measure
+from . import baseline, decide, measure
 from .decide import Choice, _choice
 
 __all__ = ["Consumer", "Producer", "Site", "deferred_candidates", "deferred_config", "deferred_key", "dgrad_unsupported", "fp32_output_gemm",
-           "site_choice", "stats_tile", "unsupported"]
+           "site_choice", "stats_tile", "unsupported", "x_tile"]
 
 STATS_TILE = 128  # the narrowest N tile the Gluon candidates use where rows are wider than it
 
@@ -41,6 +41,14 @@ def stats_tile(n: int) -> int:
     from ..kernels.hopper.common import pow2_tile
 
     return min(STATS_TILE, pow2_tile(n))
+
+
+def x_tile(n: int, has_producer: bool) -> int:
+    """The statistics tile of the norm's input x [M, n] as the consumers read it: the producer GEMM's tiles
+    (``stats_tile``), or, where x comes from anything else, one tile of the whole row (the aten row
+    reduction the rewrite adds, which Inductor fuses into the kernel that computes x). The decision times the
+    consumers on statistics of this layout: another one is another kernel specialization, and another key."""
+    return stats_tile(n) if has_producer else n
 
 
 def unsupported(case: DeferredCase) -> Optional[str]:
@@ -168,17 +176,17 @@ def site_choice(site: Site) -> Choice:
     """Whether to defer this site's norm (``fuse``), with the configuration label and the reason."""
     x = site.x
     on_cuda = x.device.type == "cuda"
-    measured = on_cuda and measure.can_measure(x.device) and not torch.are_deterministic_algorithms_enabled()
+    decided = measure.can_measure(x.device) or measure.decisions(x.device) == "table"  # times, measured or tabled
+    measured = on_cuda and decided and not torch.are_deterministic_algorithms_enabled()
     if not measured and site.producer is None and config.patterns.norm_linear_fwd:
         return Choice(False, "-", "not measured: a norm of pointwise code is left to Lazy Pre-Norm "
                                   "(norm_linear_fwd) where nothing is timed")
     if not on_cuda:
         return Choice(True, f"{x.device.type} reference", f"fused (not measured on {x.device.type.upper()})")
-    tile = stats_tile(x.shape[1])
     gemms = [(x, c.b, None, site.norm, 0, 0) for c in site.consumers]
     if site.producer is not None:
         p = site.producer
-        gemms.append((p.a, p.b, p.residual, p.a_norm, site.norm, tile))
+        gemms.append((p.a, p.b, p.residual, p.a_norm, site.norm, stats_tile(x.shape[1])))
     for a, b, residual, a_norm, out_norm, out_tile in gemms:
         why = unsupported(DeferredCase(a, b, None, residual, a_norm, out_norm, out_tile))
         if why is not None:
@@ -189,6 +197,10 @@ def site_choice(site: Site) -> Choice:
                      margin=config.tuning.margin_deferred)
     entry = measure.lookup(site.key()) if choice.t_fused_ms is not None else None
     labels = entry.get("gemm_labels") if entry else None
+    if choice.fuse and entry is not None and entry.get("unfused_by") == decide.TABLE:
+        why = _keep_table_configs(site, labels)
+        if why is not None:
+            return dataclasses.replace(choice, fuse=False, reason=f"left unfused: {why} ({choice.reason})")
     if isinstance(labels, list) and labels and all(isinstance(v, str) for v in labels):
         # every GEMM's own choice (the entry's configuration is the first GEMM's): which backend runs each
         chosen = " + ".join(labels)
@@ -228,16 +240,78 @@ def _measure_step(site: Site) -> dict:
     return {} if timed is None else {"t_fused_step_ms": timed[0], "t_unfused_step_ms": timed[1]}
 
 
-def _measure_site(site: Site) -> dict:
-    """The site's fused GEMMs (each candidate of each GEMM timed, the best kept under its own key for the
-    launches) against the unfused site."""
+def _keep_table_configs(site: Site, labels) -> Optional[str]:
+    """Each GEMM's configuration as the table's point measured it (``labels``), kept in this process for the
+    launches; None, or why not (the labels do not fit this site's GEMMs and candidates)."""
+    calls = _gemm_calls(site, real=False)
+    if not isinstance(labels, list) or len(labels) != len(calls):
+        return "the table's point does not name a configuration for each GEMM of the site"
+    for args, label in zip(calls, labels):
+        cands = deferred_candidates(args[0], args[1], args[11], args[3], args[13], args[10], args[8])
+        best = next((c for c in cands if c.label() == label), None)
+        if best is None:
+            return f"the table's configuration {label} is not a candidate here"
+        measure.store(deferred_key(*args[:7], args[8], args[10], args[11], args[13]),
+                      {"config": list(best), "t_fused_ms": None, "t_unfused_ms": None, "unfused_by": decide.TABLE})
+    return None
+
+
+def _gemm_calls(site: Site, real: bool) -> list[tuple]:
+    """The site's GEMMs as ``deferred_mm``'s arguments, in the compiled graph's order: the producer (if any),
+    each consumer, the backward's input-gradient GEMM (``site.dgrad``). ``real``: random real tensors on the
+    GPU (inside ``measure.RealInputs``, for timing); else the site's own (fake) tensors and empty statistics
+    of the right shape, enough for the launches' keys and candidates (the table's decisions)."""
     from ..kernels import deferred as op
 
     x, norm = site.x, site.norm
     m, n = x.shape
-    tile = stats_tile(n)
+    tile = stats_tile(n)  # what the producer writes
+    x_stats_tile = x_tile(n, site.producer is not None)  # what the consumers read
     dev = x.device
-    like = measure.RealInputs.like
+
+    def like(t, scale=None):
+        if not real or t is None:
+            return t
+        return measure.RealInputs.like(t, dev) if scale is None else measure.RealInputs.like(t, dev, scale)
+
+    def stats(t, nrm, tl):
+        return op.partial_stats(t, nrm, tl) if real else t.new_empty(op.stats_shape(t.shape[0], t.shape[1], nrm, tl),
+                                                                     dtype=torch.float32)
+
+    def operands(a, b, *others):
+        return measure.real_gemm_operands(a, b, *others) if real else [a, b, *others]
+
+    rx, rw, rnb = like(x), like(site.weight), like(site.norm_bias)
+    x_stats = stats(rx, norm, x_stats_tile)
+    calls: list[tuple] = []
+    if site.producer is not None:
+        p = site.producer
+        nw, nb, a_eps, a_norm, a_tile = p.norm_weight, p.norm_bias, p.a_eps, p.a_norm, p.a_tile
+        ra, rb, rbias, rres = operands(p.a, p.b, p.bias, p.residual)
+        ra_stats = stats(ra, a_norm, a_tile) if a_norm else None
+        calls.append((ra, rb, rbias, rres, ra_stats, like(nw), like(nb), a_eps, a_norm, a_tile, norm, tile,
+                      site.cache, None))
+    for cons in site.consumers:
+        _, rb, rbias = operands(x, cons.b, cons.bias)
+        calls.append((rx, rb, rbias, None, x_stats, rw, rnb, site.eps, norm, x_stats_tile, 0, 0, site.cache, None))
+    if site.dgrad:
+        # the backward's GEMM of the consumers' scaled gradients, the norm's backward in its epilogue
+        a = torch.empty((m, site.dgrad), dtype=x.dtype, device="meta")
+        b = torch.empty((site.dgrad, n), dtype=x.dtype, device="meta")
+        ga, gb = (measure.real_gemm_operands(a, b, device=dev) if real else
+                  [x.new_empty((m, site.dgrad)), x.new_empty((site.dgrad, n))])
+        rows = (like(torch.empty((1 if norm == 1 else 3, m), device="meta")) if real
+                else x.new_empty((1 if norm == 1 else 3, m), dtype=torch.float32))
+        calls.append((ga, gb, None, rx, None, None, None, 0.0, 0, 0, 0, 0, False, rows))
+    return calls
+
+
+def _measure_site(site: Site) -> dict:
+    """The site's fused GEMMs (each candidate of each GEMM timed, the best kept under its own key for the
+    launches) against the unfused site."""
+    x, norm = site.x, site.norm
+    m, n = x.shape
+    dev = x.device
 
     def gemm(k: int) -> tuple[Tensor, Tensor]:
         """Real operands [M, k] @ [k, N] (the backward's GEMMs), as ``real_gemm_operands`` makes them."""
@@ -245,23 +319,9 @@ def _measure_site(site: Site) -> dict:
                                                 torch.empty((k, n), dtype=x.dtype, device="meta"), device=dev))
 
     with measure.RealInputs():
-        rx, rw, rnb = like(x, dev), like(site.weight, dev), like(site.norm_bias, dev)
-        stats = op.partial_stats(rx, norm, tile)
-        calls: list[tuple] = []
-        if site.producer is not None:
-            p = site.producer
-            nw, nb, a_eps, a_norm, a_tile = p.norm_weight, p.norm_bias, p.a_eps, p.a_norm, p.a_tile
-            ra, rb, rbias, rres = measure.real_gemm_operands(p.a, p.b, p.bias, p.residual)
-            ra_stats = op.partial_stats(ra, a_norm, a_tile) if a_norm else None
-            calls.append((ra, rb, rbias, rres, ra_stats, like(nw, dev), like(nb, dev), a_eps, a_norm, a_tile, norm,
-                          tile, site.cache, None))
-        for cons in site.consumers:
-            _, rb, rbias = measure.real_gemm_operands(x, cons.b, cons.bias)
-            calls.append((rx, rb, rbias, None, stats, rw, rnb, site.eps, norm, tile, 0, 0, site.cache, None))
-        if site.dgrad:
-            # the backward's GEMM of the consumers' scaled gradients, the norm's backward in its epilogue
-            rows = like(torch.empty((1 if norm == 1 else 3, m), device="meta"), dev)
-            calls.append((*gemm(site.dgrad), None, rx, None, None, None, 0.0, 0, 0, 0, 0, False, rows))
+        calls = _gemm_calls(site, real=True)
+        first = calls[1 if site.producer is not None else 0]  # the first consumer's: x, the norm's γ and β
+        rx, rw, rnb = first[0], first[5], first[6]
         labels, best_all, hosts, launches, times_best = {}, [], [], [], []
         for args in calls:
             key = deferred_key(*args[:7], args[8], args[10], args[11], args[13])

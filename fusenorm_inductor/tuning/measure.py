@@ -291,7 +291,8 @@ def store(key: tuple, entry: dict, bucket: bool = False) -> None:
     # with a failed measurement (an inf or NaN anywhere: a candidate that raised, e.g. after a transient CUDA
     # error), which on disk would keep that shape's verdict until the sources change. The next process measures
     # again. A launch entry has no unfused time by design and is written.
-    if (entry.get("t_unfused_ms") is not None or _launch_only(entry)) and _finite(entry):
+    if (entry.get("t_unfused_ms") is not None or _launch_only(entry)) and _finite(entry) \
+            and entry.get("unfused_by") != "table":  # the table's decisions are remade from the table
         _write_disk(disk_key, entry)
 
 
@@ -356,8 +357,23 @@ def bucket_key(key: tuple) -> tuple:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def decisions(device: torch.device) -> str:
+    """How this compile decides its matches on ``device``: "measure" (time the candidates against Inductor's
+    own code: ``mode="max-autotune"``, or ``config.tuning.measure = True``), "table" (the default mode: the
+    shipped table of measurements, tuning/table.py, no timing), "fuse" (``config.tuning.measure = False``:
+    every match fused with the kernels' first candidate) or "reference" (not CUDA: the CPU references)."""
+    if device.type != "cuda":
+        return "reference"
+    how = config.tuning.measure
+    if how is None:
+        import torch._inductor.config as inductor_config
+
+        how = True if (inductor_config.max_autotune or inductor_config.max_autotune_gemm) else None
+    return "table" if how is None else ("measure" if how else "fuse")
+
+
 def can_measure(device: torch.device) -> bool:
-    return device.type == "cuda" and config.tuning.measure and not torch.cuda.is_current_stream_capturing()
+    return decisions(device) == "measure" and not torch.cuda.is_current_stream_capturing()
 
 
 QUICK_LOOKS = 2  # single timed calls before the full timing, when a give-up time is known
@@ -562,6 +578,12 @@ def copy_bandwidth_gbps(device: torch.device) -> float:
     key = ("copy_gbps", device)
     if key in _memo:
         return _memo[key]["gbps"]
+    if decisions(device) == "table":
+        from . import table
+
+        gbps = table.copy_gbps(device)  # measured with the table: the default mode times nothing
+        if gbps is not None:
+            return gbps
     disk_key = _disk_key(key)
     stored = _read_disk().get(disk_key)
     if isinstance(stored, dict) and _positive(stored.get("gbps")):
