@@ -118,6 +118,21 @@ def test_the_default_mode_never_measures(tabled, monkeypatch):
     assert not step.fuse and "no times in the table" in step.reason, step
 
 
+def test_host_bound_sites_are_judged_as_the_measured_decision_judges_them(tabled, monkeypatch):
+    """A site whose kernels are shorter than their launches (the chain at d = 256, M = 32768 on the H100): the
+    unfused side costs at least the bare GEMM call plus one launch (38 us there), not the compiled subgraph's
+    dearer call; without that floor the table fused a site its measurement had declined (0.65x of Inductor)."""
+    monkeypatch.setattr(measure, "host_counts", lambda: True)
+    monkeypatch.setattr(measure, "unfused_host_us", lambda device: 38.0)
+    tabled["use"](point(32768, 0.1161, 0.0765, h_fused_us=58.0, h_unfused_us=100.0, unfused_by="inductor"))
+    choice, _ = decide._table_choice(key(32768), CPU, "Inductor", None)
+    assert not choice.fuse and "host 58 us fused vs 38 us unfused" in choice.reason, choice
+    monkeypatch.setattr(measure, "unfused_host_us", lambda device: None)  # the probe failed: the entry's own
+    tabled["stored"].clear()
+    choice, _ = decide._table_choice(key(32768), CPU, "Inductor", None)
+    assert choice.fuse and "vs 100 us unfused" in choice.reason, choice
+
+
 def test_a_measured_entry_in_the_cache_decides_before_the_table(tabled):
     tabled["use"](point(1000, 1.0, 2.0), point(8000, 8.0, 16.0))
     tabled["stored"][key(2000)] = {"config": CFG, "t_fused_ms": 3.0, "t_unfused_ms": 2.0, "unfused_by": "inductor"}
