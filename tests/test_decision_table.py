@@ -210,3 +210,41 @@ def test_shipped_tables_load_and_answer_their_own_points(monkeypatch):
             k = (p["kind"], CPU, *sub(sig)[:-3])
             (lo, hi, est), why = table.lookup(k, CPU, ctx)
             assert lo["M"] == p["M"] and est["t_fused_ms"] == pytest.approx(p["t_fused_ms"]), (path, p)
+
+
+def test_a_tabled_deferred_site_keeps_each_gemms_configuration_for_its_launch(monkeypatch):
+    """The table names each GEMM's configuration by label (``gemm_labels``); the decision keeps it under the key
+    the launch will look up (the consumers read x's statistics in the layout the rewrite makes), or declines
+    when a label is not a candidate of that GEMM."""
+    from fusenorm_inductor.kernels import deferred as d
+    from fusenorm_inductor.tuning import deferred_norm as tuning
+
+    stored = {}
+    monkeypatch.setattr(measure, "store", lambda k, e, bucket=False: stored.__setitem__(k, e))
+    monkeypatch.setattr(tuning, "deferred_candidates", lambda *a, **k: [_Cfg("A"), _Cfg("B")])
+    m, k, n, n2 = 257, 96, 384, 40
+    x = torch.randn(m, n)
+    producer = (torch.randn(m, k), torch.randn(k, n))
+    site = tuning.Site(x, producer, [(torch.randn(n, n2), None)], torch.randn(n), None, 1e-5, d.LN, wgrads=0,
+                       cache=False)
+    assert tuning._keep_table_configs(site, ["A", "B"]) is None
+    calls = tuning._gemm_calls(site, real=False)
+    keys = [tuning.deferred_key(*c[:7], c[8], c[10], c[11], c[13]) for c in calls]
+    assert [stored[kk]["config"] for kk in keys] == [["A"], ["B"]] and len(stored) == 2
+    assert all(e["unfused_by"] == decide.TABLE for e in stored.values())
+    assert calls[1][4].shape == d.stats_shape(m, n, d.LN, tuning.stats_tile(n))  # the producer's tiles
+    assert "not a candidate" in tuning._keep_table_configs(site, ["A", "C"])
+    assert "each GEMM" in tuning._keep_table_configs(site, ["A"])
+    lone = tuning.Site(x, None, [(torch.randn(n, n2), None)], torch.randn(n), None, 1e-5, d.LN, wgrads=0, cache=False)
+    (call,) = tuning._gemm_calls(lone, real=False)
+    assert call[4].shape == d.stats_shape(m, n, d.LN, n) and call[9] == n  # whole-row statistics, as rewritten
+
+
+class _Cfg(tuple):
+    """A configuration stand-in: its label and its fields (the list a cache entry stores)."""
+
+    def __new__(cls, name):
+        return super().__new__(cls, (name,))
+
+    def label(self):
+        return self[0]
