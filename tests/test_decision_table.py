@@ -248,3 +248,31 @@ class _Cfg(tuple):
 
     def label(self):
         return self[0]
+
+
+def test_a_launch_finds_its_configuration_outside_the_compiles_mode_and_process(monkeypatch):
+    """Launches run after the compile, where Inductor's config is the default again: a configuration decided
+    under max-autotune is found all the same; and in the default mode a process that loaded the compiled
+    graph from Inductor's cache (no decision made here) asks the table."""
+    import torch._inductor.config as inductor_config
+
+    cuda = torch.device("cuda")
+    k = ("mm_norm", cuda, spec(4096, 512), ((512, 256), (1, 512), "torch.bfloat16"), None, 1e-5, True)
+    first = [_Cfg("first")]
+    monkeypatch.setattr(measure, "config_of", lambda e: _Cfg(e["config"][0]))
+    monkeypatch.setattr(measure, "_read_disk", lambda: {})
+    monkeypatch.setattr(measure, "_write_disk", lambda *a: None)
+    monkeypatch.setattr(measure, "_device_tag", lambda device: "a GPU")
+    measure.clear_memory()
+    try:
+        with inductor_config.patch(max_autotune=True):
+            measure.store(k, {"config": ["tuned"], "t_fused_ms": 1.0, "t_unfused_ms": 2.0, "unfused_by": "inductor"})
+        assert measure.tuned_config(k, cuda, lambda: first).label() == "tuned"
+        measure.clear_memory()
+        monkeypatch.setattr(measure, "decisions", lambda device: "table")
+        monkeypatch.setattr(table, "lookup", lambda key, device, ctx: ([None, None, {"config": ["tabled"]}], ""))
+        assert measure.tuned_config(k, cuda, lambda: first).label() == "tabled"
+        monkeypatch.setattr(measure, "decisions", lambda device: "measure")
+        assert measure.tuned_config(k, cuda, lambda: first).label() == "first"
+    finally:
+        measure.clear_memory()

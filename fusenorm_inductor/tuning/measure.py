@@ -228,10 +228,11 @@ def entry_problem(entry) -> Optional[str]:
     return None
 
 
-def lookup(key: tuple) -> Optional[dict]:
-    """The entry for key (in the current ``_context``): this process's, else the disk cache's (a malformed one
-    counts as absent), else None."""
-    key, disk_key = (*key, _context()), _disk_key(key)
+def lookup(key: tuple, context: Optional[tuple] = None) -> Optional[dict]:
+    """The entry for key (in ``context``, default the current ``_context``): this process's, else the disk
+    cache's (a malformed one counts as absent), else None."""
+    context = _context() if context is None else context
+    key, disk_key = (*key, context), _disk_key(key, context)
     if key in _memo:
         return _memo[key]
     if key in _misses:
@@ -319,8 +320,19 @@ def _context() -> tuple:
             "coordinate-descent" if inductor_config.coordinate_descent_tuning else "")
 
 
-def _disk_key(key: tuple) -> str:
-    return json.dumps([_device_tag(key[1]), _sources_hash(), key[0], *key[2:], *_context()], default=str)
+def _disk_key(key: tuple, context: Optional[tuple] = None) -> str:
+    context = _context() if context is None else context
+    return json.dumps([_device_tag(key[1]), _sources_hash(), key[0], *key[2:], *context], default=str)
+
+
+def _launch_contexts() -> list[tuple]:
+    """The contexts a launch looks for its configuration in: the current one first, then the other Inductor
+    modes' (the same TF32 setting). A graph compiled under ``mode="max-autotune"`` was decided in that mode's
+    context, but its launches run outside the compile, where Inductor's config is the default again: the
+    kernel measured fastest is the same whichever mode timed Inductor's side."""
+    here = _context()
+    others = [(here[0], m, c) for m in ("default", "max-autotune") for c in ("", "coordinate-descent")]
+    return [here] + [c for c in others if c != here]
 
 
 def spec(t: Optional[Tensor], rows: bool = False):
@@ -806,13 +818,24 @@ def config_of(entry: dict):
 def tuned_config(key: tuple, device: torch.device, candidates: Callable[[], list]):
     """The configuration a launch runs: the measurement the compile-time decision cached for this shape (also
     while a CUDA graph is captured: the launcher's hot path is one dict lookup), else the one cached for its
-    bucket of M (``bucket_key``: what a dynamic-M graph was decided at), else the kernels' first candidate.
+    bucket of M (``bucket_key``: what a dynamic-M graph was decided at), in this Inductor mode's context or
+    another's (``_launch_contexts``), else in the default mode the table's configuration for the shape, else
+    the kernels' first candidate.
     Never a timing: a launch happens inside the user's step, where measuring (CUDA-graph captures, a nested
     compile) would stall it. In deterministic mode always the first candidate (module docstring)."""
     if torch.are_deterministic_algorithms_enabled():
         return candidates()[0]
     if device.type == "cuda":
-        entry = lookup(key) or lookup(bucket_key(key))
-        if entry is not None:
-            return config_of(entry)
+        for context in _launch_contexts():
+            entry = lookup(key, context) or lookup(bucket_key(key), context)
+            if entry is not None:
+                return config_of(entry)
+        if decisions(device) == "table":
+            # the default mode's decision kept its configuration in the process that compiled; a later process
+            # that loads the compiled graph from Inductor's cache asks the table again
+            from . import table
+
+            points, _ = table.lookup(key, device, _context())
+            if points is not None and points[2].get("config"):
+                return config_of(points[2])
     return candidates()[0]
