@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from .base import Backend, DeferredCase, Refused
+from .base import Backend, DeferredArgs, DeferredCase, Refused
 from .gluon import GLUON, gluon_off
 from .quack import QUACK
 
-__all__ = ["Backend", "DeferredCase", "Refused", "BACKENDS", "backend_of", "config_from", "deferred_candidates",
+__all__ = ["Backend", "DeferredArgs", "DeferredCase", "Refused", "BACKENDS", "backend_of", "config_from", "deferred_candidates",
            "deferred_launch", "deferred_unsupported", "gluon_off", "unavailable"]
 
 BACKENDS: tuple = (GLUON, QUACK)

@@ -17,11 +17,38 @@ Gluon and ``tl`` variants are chosen in tuning/mm_norm.py, norm_mm.py, mm_norm_b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, NamedTuple, Optional, Protocol
 
 from torch import Tensor
 
-__all__ = ["Backend", "DeferredCase"]
+__all__ = ["Backend", "DeferredArgs", "DeferredCase"]
+
+
+class DeferredArgs(NamedTuple):
+    """The arguments of one ``fusenorm::deferred_mm`` call, by name and in the op's order (ops/deferred_norm.py
+    says what each is): c = norm_a(a) @ b (+ bias) (+ residual), with the statistics of the norm ``out_norm``
+    of c written in tiles of ``out_tile`` columns. A tuple still: the launchers unpack it as the op's own
+    argument list."""
+
+    a: Tensor
+    b: Tensor
+    bias: Optional[Tensor] = None
+    residual: Optional[Tensor] = None
+    a_stats: Optional[Tensor] = None
+    norm_weight: Optional[Tensor] = None
+    norm_bias: Optional[Tensor] = None
+    a_eps: float = 0.0
+    a_norm: int = 0
+    a_tile: int = 0
+    out_norm: int = 0
+    out_tile: int = 0
+    cache_fold: bool = False
+    res_rows: Optional[Tensor] = None
+
+    @classmethod
+    def of(cls, args) -> "DeferredArgs":
+        """``args`` (the op's arguments as a tuple; the trailing optional ones may be left out) by name."""
+        return args if isinstance(args, cls) else cls(*args)
 
 
 @dataclass(frozen=True)
@@ -41,10 +68,10 @@ class DeferredCase:
     res_rows: Optional[Tensor] = None
 
     @classmethod
-    def of(cls, args: tuple) -> "DeferredCase":
-        """The case of the op's argument tuple (ops/deferred_norm.py's order; res_rows may be left out)."""
-        return cls(args[0], args[1], args[2], args[3], args[8], args[10], args[11],
-                   args[13] if len(args) > 13 else None)
+    def of(cls, args) -> "DeferredCase":
+        """The case of the op's arguments (``DeferredArgs``, or the op's tuple; res_rows may be left out)."""
+        d = DeferredArgs.of(args)
+        return cls(d.a, d.b, d.bias, d.residual, d.a_norm, d.out_norm, d.out_tile, d.res_rows)
 
 
 class Backend(Protocol):

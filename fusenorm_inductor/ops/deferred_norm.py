@@ -53,7 +53,6 @@ __all__ = ["deferred_mm", "deferred_mm_reference", "merge_stats", "partial_stats
            "LN"]
 
 _OP = "fusenorm::deferred_mm"
-N_ARGS = 14  # the op's arguments; callers may leave out the trailing optional res_rows
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -231,15 +230,15 @@ def deferred_mm_tuned(args: tuple, config=None, plan_out: Optional[list] = None)
     it again on inputs of the same signature."""
     from ..tuning import deferred_norm as tuning
 
-    args = tuple(args) + (None,) * (N_ARGS - len(args))
-    a, b = args[0], args[1]
+    args = backends.DeferredArgs.of(args)
+    a, b = args.a, args.b
     if 0 in (a.shape[0], a.shape[1], b.shape[1]) or tuning.unsupported(DeferredCase.of(args)):
         return deferred_mm_reference(*args)
     config = config or tuning.deferred_config(*args)
     backend = backends.backend_of(config)
     if backend.deferred_unsupported(DeferredCase.of(args)) is not None:
         # the cached choice's backend is gone (switched off, not installed in this process): another's first
-        config = tuning.deferred_candidates(a, b, args[11], args[3], args[13], args[10], args[8])[0]
+        config = tuning.candidates_of(args)[0]
         backend = backends.backend_of(config)
     try:
         return backend.deferred_launch(args, config, _alloc, plan_out)

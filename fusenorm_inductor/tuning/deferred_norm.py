@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .. import backends, config
-from ..backends import DeferredCase
+from ..backends import DeferredArgs, DeferredCase
 from . import baseline, decide, measure
 from .decide import Choice, _choice
 
@@ -97,6 +97,17 @@ def deferred_key(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_norm, 
     return ("deferred_mm", a.device, measure.spec(a, rows=True), measure.spec(b), measure.spec(bias),
             measure.spec(residual), measure.spec(a_stats), measure.spec(norm_weight), measure.spec(norm_bias),
             int(a_norm), int(out_norm), int(out_tile), None if res_rows is None else int(res_rows.shape[0]))
+
+
+def key_of(d: DeferredArgs) -> tuple:
+    """``deferred_key`` of one call's arguments."""
+    return deferred_key(d.a, d.b, d.bias, d.residual, d.a_stats, d.norm_weight, d.norm_bias, d.a_norm, d.out_norm,
+                        d.out_tile, d.res_rows)
+
+
+def candidates_of(d: DeferredArgs) -> list:
+    """``deferred_candidates`` of one call's arguments."""
+    return deferred_candidates(d.a, d.b, d.out_tile, d.residual, d.res_rows, d.out_norm, d.a_norm)
 
 
 def deferred_config(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps, a_norm, a_tile, out_norm,
@@ -246,17 +257,16 @@ def _keep_table_configs(site: Site, labels) -> Optional[str]:
     calls = _gemm_calls(site, real=False)
     if not isinstance(labels, list) or len(labels) != len(calls):
         return "the table's point does not name a configuration for each GEMM of the site"
-    for args, label in zip(calls, labels):
-        cands = deferred_candidates(args[0], args[1], args[11], args[3], args[13], args[10], args[8])
-        best = next((c for c in cands if c.label() == label), None)
+    for call, label in zip(calls, labels):
+        best = next((c for c in candidates_of(call) if c.label() == label), None)
         if best is None:
             return f"the table's configuration {label} is not a candidate here"
-        measure.store(deferred_key(*args[:7], args[8], args[10], args[11], args[13]),
+        measure.store(key_of(call),
                       {"config": list(best), "t_fused_ms": None, "t_unfused_ms": None, "unfused_by": decide.TABLE})
     return None
 
 
-def _gemm_calls(site: Site, real: bool) -> list[tuple]:
+def _gemm_calls(site: Site, real: bool) -> list[DeferredArgs]:
     """The site's GEMMs as ``deferred_mm``'s arguments, in the compiled graph's order: the producer (if any),
     each consumer, the backward's input-gradient GEMM (``site.dgrad``). ``real``: random real tensors on the
     GPU (inside ``measure.RealInputs``, for timing); else the site's own (fake) tensors and empty statistics
@@ -283,17 +293,17 @@ def _gemm_calls(site: Site, real: bool) -> list[tuple]:
 
     rx, rw, rnb = like(x), like(site.weight), like(site.norm_bias)
     x_stats = stats(rx, norm, x_stats_tile)
-    calls: list[tuple] = []
-    if site.producer is not None:
+    calls: list[DeferredArgs] = []
+    if site.producer is not None:  # writes the statistics of x in its tiles
         p = site.producer
-        nw, nb, a_eps, a_norm, a_tile = p.norm_weight, p.norm_bias, p.a_eps, p.a_norm, p.a_tile
         ra, rb, rbias, rres = operands(p.a, p.b, p.bias, p.residual)
-        ra_stats = stats(ra, a_norm, a_tile) if a_norm else None
-        calls.append((ra, rb, rbias, rres, ra_stats, like(nw), like(nb), a_eps, a_norm, a_tile, norm, tile,
-                      site.cache, None))
-    for cons in site.consumers:
+        calls.append(DeferredArgs(ra, rb, rbias, rres, stats(ra, p.a_norm, p.a_tile) if p.a_norm else None,
+                                  like(p.norm_weight), like(p.norm_bias), p.a_eps, p.a_norm, p.a_tile,
+                                  out_norm=norm, out_tile=tile, cache_fold=site.cache))
+    for cons in site.consumers:  # each applies the norm to x
         _, rb, rbias = operands(x, cons.b, cons.bias)
-        calls.append((rx, rb, rbias, None, x_stats, rw, rnb, site.eps, norm, x_stats_tile, 0, 0, site.cache, None))
+        calls.append(DeferredArgs(rx, rb, rbias, None, x_stats, rw, rnb, site.eps, norm, x_stats_tile,
+                                  cache_fold=site.cache))
     if site.dgrad:
         # the backward's GEMM of the consumers' scaled gradients, the norm's backward in its epilogue
         a = torch.empty((m, site.dgrad), dtype=x.dtype, device="meta")
@@ -302,7 +312,7 @@ def _gemm_calls(site: Site, real: bool) -> list[tuple]:
                   [x.new_empty((m, site.dgrad)), x.new_empty((site.dgrad, n))])
         rows = (like(torch.empty((1 if norm == 1 else 3, m), device="meta")) if real
                 else x.new_empty((1 if norm == 1 else 3, m), dtype=torch.float32))
-        calls.append((ga, gb, None, rx, None, None, None, 0.0, 0, 0, 0, 0, False, rows))
+        calls.append(DeferredArgs(ga, gb, residual=rx, res_rows=rows))
     return calls
 
 
@@ -321,12 +331,11 @@ def _measure_site(site: Site) -> dict:
     with measure.RealInputs():
         calls = _gemm_calls(site, real=True)
         first = calls[1 if site.producer is not None else 0]  # the first consumer's: x, the norm's γ and β
-        rx, rw, rnb = first[0], first[5], first[6]
+        rx, rw, rnb = first.a, first.norm_weight, first.norm_bias
         labels, best_all, hosts, launches, times_best = {}, [], [], [], []
         for args in calls:
-            key = deferred_key(*args[:7], args[8], args[10], args[11], args[13])
-            best, times = measure.time_candidates(
-                deferred_candidates(args[0], args[1], args[11], args[3], args[13], args[10], args[8]), _planned(args))
+            key = key_of(args)
+            best, times = measure.time_candidates(candidates_of(args), _planned(args))
             measure.store(key, measure.make_launch_entry(best, times), bucket=True)
             times_best.append(times[best])
             best_all.append(best)
@@ -338,7 +347,7 @@ def _measure_site(site: Site) -> dict:
             hosts.append(measure.fused_host_us(launches[-1], times[best]))
             labels.update({f"GEMM {len(best_all)}: {c.label()}": t for c, t in times.items()})
         forward = calls[:-1] if site.dgrad else calls
-        t_gemms = sum(measure.gemm_ms(c[0], c[1], c[2]) for c in forward)
+        t_gemms = sum(measure.gemm_ms(c.a, c.b, c.bias) for c in forward)
         # What the unfused norm adds to the GEMMs, in [M, N] passes at copy speed: after a GEMM, a kernel that
         # reads x and writes n (with a residual add, it reads the GEMM's output and the residual and writes x
         # too); after pointwise code, the write of n, in the kernel that computes x anyway.
@@ -366,8 +375,9 @@ def _measure_site(site: Site) -> dict:
         t_forward = sum(times_best[:len(forward)])
         built = None
         if site.producer is not None:
-            built = baseline.norm_site_fn(*calls[0][:4], rw, rnb, site.eps, norm == 1,
-                                          [(c[1], c[2]) for c in calls[1:len(forward)]])
+            p0 = calls[0]
+            built = baseline.norm_site_fn(p0.a, p0.b, p0.bias, p0.residual, rw, rnb, site.eps, norm == 1,
+                                          [(c.b, c.bias) for c in calls[1:len(forward)]])
         ind = None
         if built is not None and baseline.enabled(x.device):
             # The forward's GEMMs, in the graph's order, timed in turn with Inductor's site: the fused side's
