@@ -97,7 +97,8 @@ def measure_point(p: dict, args, device: str, dtype) -> dict:
         model = common.own_code(copy.deepcopy(base))
         fi.report.clear()
         t0 = time.perf_counter()
-        cm = torch.compile(model, backend="fusenorm" if name == "fusenorm" else "inductor", dynamic=False)
+        cm = torch.compile(model, backend="fusenorm" if name == "fusenorm" else "inductor", dynamic=False,
+                           mode=args.mode)
         fn = _call(cm, model, x, p["mode"])
         fn()
         common.sync() if device == "cuda" else None
@@ -157,6 +158,10 @@ def main(argv=None) -> dict:
     p.add_argument("--calls", type=int, default=None, help="calls between two events (default 10)")
     p.add_argument("--kernels", type=int, default=0, help="CALLS: profile where a point fused or was slower: "
                                                           "GPU ms per call by kernel (0: off)")
+    p.add_argument("--mode", default=None, choices=(None, "max-autotune", "max-autotune-no-cudagraphs"),
+                   help="torch.compile's mode for all three compiles (default: Inductor's default mode, where "
+                        "fusenorm decides from its table; max-autotune-no-cudagraphs: fusenorm measures, and "
+                        "the calls stay plain)")
     p.add_argument("--out", default=None)
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (times meaningless)")
     args = p.parse_args(argv)
@@ -191,12 +196,14 @@ def main(argv=None) -> dict:
 def _data(rows, args, device, dtype, dry) -> dict:
     return {"meta": {**common.environment(device), "script": "benchmarks/bench_never_slower.py", "dry_run": dry,
                      "dtype": str(dtype).replace("torch.", ""), "rounds": args.rounds, "calls": args.calls,
+                     "mode": args.mode or "default",
                      "timer": "CUDA events around --calls plain calls (no CUDA graphs), rotating rounds, medians",
                      "metrics": {"speedup": "median over rounds of t_inductor / t_fusenorm",
                                  "aa": "median over rounds of t_inductor / t_inductor_aa (a second compile)",
                                  "slower": f"speedup < 1 - max(|1 - aa|, {NOISE})"},
                      "fusenorm_decisions": {"1": "measured (FUSENORM_TUNE=1)", "0": "every match fused (FUSENORM_TUNE=0)"}.get(
-                         os.environ.get("FUSENORM_TUNE", ""), "the default mode's table")},
+                         os.environ.get("FUSENORM_TUNE", ""),
+                         "measured (max-autotune)" if args.mode else "the default mode's table")},
             "rows": rows, "summary": summarize(rows)}
 
 
