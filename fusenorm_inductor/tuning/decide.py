@@ -114,7 +114,9 @@ def _judge(entry: dict, device, what: str, margin: Optional[float], how: str) ->
     host = ""
     h_f, weight = entry.get("h_fused_us"), config.tuning.host_weight
     use_host = isinstance(h_f, (int, float)) and weight > 0 and measure.host_counts()
-    inductor = entry.get("unfused_by") in ("inductor", TABLE)
+    # a table entry keeps what its point was measured against ("measured_unfused_by")
+    inductor = (entry.get("measured_unfused_by") if entry.get("unfused_by") == TABLE
+                else entry.get("unfused_by")) == "inductor"
     if inductor:
         what = "Inductor's compiled unfused subgraph"
     h_u = None
@@ -184,11 +186,12 @@ def _table_choice(key, device, what: str, margin: Optional[float]) -> tuple[Choi
                                   "table without timing; mode='max-autotune' or config.tuning.measure = True "
                                   "measures this shape)"), None
     lo, hi, est = points
-    entry = {**est, "unfused_by": TABLE}
+    entry = {**est, "unfused_by": TABLE, "measured_unfused_by": est.get("unfused_by")}
     span = f"M {lo['M']}" if lo is hi else f"M {lo['M']}..{hi['M']}"
     how = f"estimated from the {table.measured_by(device)} at {span}:"
     choice = _judge(entry, device, what, margin, how)
-    if choice.fuse and not all(_judge({**p, "unfused_by": TABLE}, device, what, margin, how).fuse for p in (lo, hi)):
+    if choice.fuse and not all(_judge({**p, "unfused_by": TABLE, "measured_unfused_by": p.get("unfused_by")}, device,
+                                      what, margin, how).fuse for p in (lo, hi)):
         choice = replace(choice, fuse=False, reason=choice.reason.replace(
             "fused (", "left unfused: a measured point beside this shape did not win (", 1))
     measure.store(key, entry)
