@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fusenorm_inductor.tuning import table  # noqa: E402
-from fusenorm_inductor.tuning.measure import LAUNCH_ONLY  # noqa: E402
+from fusenorm_inductor.tuning.measure import LAUNCH_ONLY, TABLE  # noqa: E402
 
 TIMES = ("t_fused_ms", "t_unfused_ms", "h_fused_us", "h_unfused_us", "t_fused_step_ms", "t_unfused_step_ms")
 
@@ -38,7 +38,7 @@ def points_of(cache: dict) -> tuple[list[dict], dict]:
             continue
         if not isinstance(entry, dict) or rest[-2] != "default":  # measured under max-autotune: other baselines
             continue
-        if entry.get("unfused_by") in (LAUNCH_ONLY, "table") or entry.get("t_unfused_ms") is None:
+        if entry.get("unfused_by") in (LAUNCH_ONLY, TABLE) or entry.get("t_unfused_ms") is None:
             continue
         sig, m = table.signature(rest)
         if sig is None or not isinstance(entry.get("t_fused_ms"), (int, float)):

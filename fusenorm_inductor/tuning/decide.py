@@ -168,7 +168,7 @@ def charged(choice: Choice, extra_ms: Optional[float], why: str) -> Choice:
                                        f"{choice.reason})", t_f, choice.t_unfused_ms)
 
 
-TABLE = "table"  # ``unfused_by`` of the entries the table's decisions keep in the process (never on disk)
+TABLE = measure.TABLE
 
 
 def _table_choice(key, device, what: str, margin: Optional[float]) -> tuple[Choice, Optional[dict]]:

@@ -124,22 +124,11 @@ def deferred_config(a, b, bias, residual, a_stats, norm_weight, norm_bias, a_eps
 # ----------------------------------------------------------------------------------------------------------
 
 
-class Producer(NamedTuple):
-    """What the producer of a site's statistics is: the GEMM ``a @ b`` (+ ``bias``) (+ ``residual``) whose
-    epilogue writes them, and, where it is itself a link of a tower, the norm it applies to ``a`` (its partial
-    statistics ``a_stats``, affine, eps, code ``a_norm`` and statistics tile ``a_tile``; none: ``a_norm`` 0).
-    Its first ten fields are ``fusenorm::deferred_mm``'s first ten arguments, in their order."""
-
-    a: Tensor
-    b: Tensor
-    bias: Optional[Tensor] = None
-    residual: Optional[Tensor] = None
-    a_stats: Optional[Tensor] = None
-    norm_weight: Optional[Tensor] = None
-    norm_bias: Optional[Tensor] = None
-    a_eps: float = 0.0
-    a_norm: int = 0
-    a_tile: int = 0
+# What the producer of a site's statistics is: the GEMM ``a @ b`` (+ ``bias``) (+ ``residual``) whose epilogue
+# writes them, and, where it is itself a link of a tower, the norm it applies to ``a`` (its partial statistics
+# ``a_stats``, affine, eps, code ``a_norm`` and statistics tile ``a_tile``; none: ``a_norm`` 0): its own
+# ``deferred_mm`` arguments, the statistics it writes (out_norm, out_tile) left for the site to fill in.
+Producer = DeferredArgs
 
 
 class Consumer(NamedTuple):
@@ -297,9 +286,10 @@ def _gemm_calls(site: Site, real: bool) -> list[DeferredArgs]:
     if site.producer is not None:  # writes the statistics of x in its tiles
         p = site.producer
         ra, rb, rbias, rres = operands(p.a, p.b, p.bias, p.residual)
-        calls.append(DeferredArgs(ra, rb, rbias, rres, stats(ra, p.a_norm, p.a_tile) if p.a_norm else None,
-                                  like(p.norm_weight), like(p.norm_bias), p.a_eps, p.a_norm, p.a_tile,
-                                  out_norm=norm, out_tile=tile, cache_fold=site.cache))
+        calls.append(p._replace(a=ra, b=rb, bias=rbias, residual=rres,
+                                a_stats=stats(ra, p.a_norm, p.a_tile) if p.a_norm else None,
+                                norm_weight=like(p.norm_weight), norm_bias=like(p.norm_bias),
+                                out_norm=norm, out_tile=tile, cache_fold=site.cache))
     for cons in site.consumers:  # each applies the norm to x
         _, rb, rbias = operands(x, cons.b, cons.bias)
         calls.append(DeferredArgs(rx, rb, rbias, None, x_stats, rw, rnb, site.eps, norm, x_stats_tile,

@@ -293,7 +293,7 @@ def store(key: tuple, entry: dict, bucket: bool = False) -> None:
     # error), which on disk would keep that shape's verdict until the sources change. The next process measures
     # again. A launch entry has no unfused time by design and is written.
     if (entry.get("t_unfused_ms") is not None or _launch_only(entry)) and _finite(entry) \
-            and entry.get("unfused_by") != "table":  # the table's decisions are remade from the table
+            and entry.get("unfused_by") != TABLE:  # the table's decisions are remade from the table
         _write_disk(disk_key, entry)
 
 
@@ -660,6 +660,7 @@ def make_entry(best, times: dict, t_unfused: Optional[float], h_fused_us: Option
 
 
 LAUNCH_ONLY = "none: a launch's choice"  # ``unfused_by`` of ``make_launch_entry``'s entries
+TABLE = "table"  # ``unfused_by`` of the entries the table's decisions keep in the process (never on disk)
 
 
 def make_launch_entry(best, times: dict) -> dict:

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Point", "family", "lookup", "signature", "table_for"]
+__all__ = ["family", "lookup", "signature", "table_for"]
 
 TABLES = Path(__file__).parent / "tables"
 TABLE_VERSION = 1
@@ -96,11 +96,6 @@ def signature(parts) -> tuple[Optional[str], Optional[int]]:
     return json.dumps(sig, separators=(",", ":")), rows.pop()
 
 
-class Point(dict):
-    """One measured site of a table (a dict: M, signature, t_fused_ms, t_unfused_ms, h_fused_us, h_unfused_us,
-    t_fused_step_ms, t_unfused_step_ms, config, gemm_configs)."""
-
-
 def _interp(lo: dict, hi: dict, m: int, name: str) -> Optional[float]:
     a, b = lo.get(name), hi.get(name)
     if not (isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > 0 and b > 0):
@@ -114,7 +109,7 @@ def _interp(lo: dict, hi: dict, m: int, name: str) -> Optional[float]:
 def lookup(key: tuple, device: torch.device, context: tuple = ()) -> tuple[Optional[list], str]:
     """The table's points for ``key`` (a decision key, with the measurement ``context`` of this compile:
     measure._context) on ``device``: ([lo, hi, estimate], "") where lo and hi bracket the key's M
-    (the same point twice at a measured M or above the largest) and ``estimate`` is a Point of the interpolated
+    (the same point twice at a measured M or above the largest) and ``estimate`` is a point (a dict) of the interpolated
     times and the nearer point's configuration; (None, why not) where the table cannot answer."""
     table = table_for(device)
     if table is None:
@@ -133,7 +128,7 @@ def lookup(key: tuple, device: torch.device, context: tuple = ()) -> tuple[Optio
     hi = min(above, key=lambda p: p["M"]) if above else lo
     near = lo if hi is lo or abs(math.log(m / lo["M"])) <= abs(math.log(hi["M"] / m)) else hi
     mm = min(m, hi["M"])
-    est = Point({k: v for k, v in near.items()})
+    est = dict(near)
     est["M"] = m
     for name in ("t_fused_ms", "t_unfused_ms", "t_fused_step_ms", "t_unfused_step_ms"):
         est[name] = _interp(lo, hi, mm, name)
