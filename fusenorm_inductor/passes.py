@@ -23,6 +23,7 @@ it) and warns, unless ``config.fallback_on_error`` is off.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
 import warnings
@@ -41,9 +42,9 @@ _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 @functools.lru_cache(None)
 def _source_files() -> tuple[str, ...]:
     """Every source file of the package and of its patterns, wherever setup.py put them."""
-    from . import patterns as _patterns
-
-    dirs = {_PKG_DIR, os.path.dirname(os.path.abspath(_patterns.__file__))}
+    # found, not imported: a warm compile that Inductor serves from its cache need not load the patterns
+    spec = importlib.util.find_spec(f"{__package__}.patterns")
+    dirs = {_PKG_DIR, *(os.path.abspath(d) for d in (spec.submodule_search_locations or []))}
     files = []
     for d in sorted(dirs):
         for root, _, names in os.walk(d):
@@ -84,8 +85,8 @@ class FusenormPass(CustomGraphPass):
         return f"FusenormPass({self.stage!r})"
 
     def __call__(self, graph: fx.Graph) -> None:
+        from . import pregrad_memo
         from .tuning.baseline import in_baseline_compile
-        from .patterns import run_stage
 
         if in_baseline_compile():  # the decision's own compile of an unfused subgraph: plain Inductor's
             return
@@ -94,6 +95,15 @@ class FusenormPass(CustomGraphPass):
         if not config.cpu_reference and _cpu_only(graph):
             _preview_on_cpu(self.stage, graph, rep)
             return
+        memo_key = pregrad_memo.key(graph, self.uuid()) if self.stage == "pre_grad" else None
+        if memo_key is not None:
+            kept = pregrad_memo.get(memo_key)
+            if kept is not None:  # this graph was left as traced before, for these reasons: say them again
+                pregrad_memo.replay(rep, kept)
+                return
+            structure_before = pregrad_memo.structure(graph)
+        from .patterns import run_stage
+
         dumps_before = _debug_aid(lambda: _render_parts(graph, self.stage), "graph dump", rep) if config.debug_dir else None
         backup = _copy_graph(graph) if config.fallback_on_error else None
         recorded = (len(rep.rewrites), len(rep.skips))
@@ -107,6 +117,9 @@ class FusenormPass(CustomGraphPass):
             run_stage(self.stage, graph, rep)
             rep.locate(metas, recorded)
             graph.lint()
+            if memo_key is not None and len(rep.rewrites) == recorded[0] and not rep.errors \
+                    and pregrad_memo.structure(graph) == structure_before:
+                pregrad_memo.put(memo_key, rep, recorded)
             if nodes_before is not None:
                 fx_utils.refresh_values(graph, nodes_before)
         except Exception as e:  # a failed pass must never fail the user's compile
