@@ -276,3 +276,32 @@ def test_a_launch_finds_its_configuration_outside_the_compiles_mode_and_process(
         assert measure.tuned_config(k, cuda, lambda: first).label() == "first"
     finally:
         measure.clear_memory()
+
+
+def test_the_default_mode_takes_the_bare_pairs_host_time_from_the_table(monkeypatch):
+    """No host probe in the default mode: the floor the table's points were judged with comes with the table."""
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(measure, "decisions", lambda device: "table")
+    monkeypatch.setattr(table, "table_for", lambda device: {"unfused_host_us": 42.5})
+    monkeypatch.setattr(measure, "host_us", lambda *a, **k: pytest.fail("the default mode timed the host"))
+    assert measure.unfused_host_us(dev) == 42.5
+
+
+def test_the_table_builder_keeps_the_lower_host_time_of_two_runs():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "build_decision_table.py"
+    spec = importlib.util.spec_from_file_location("build_decision_table", path)
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    new = [{"signature": "s", "M": 8, "config": ["a"], "h_fused_us": 90.0, "h_unfused_us": 60.0},
+           {"signature": "s", "M": 16, "config": ["a"], "h_fused_us": 50.0, "h_unfused_us": 40.0},
+           {"signature": "t", "M": 8, "config": ["a"], "h_fused_us": 70.0}]
+    old = [{"signature": "s", "M": 8, "config": ["a"], "h_fused_us": 49.0, "h_unfused_us": 70.0},
+           {"signature": "s", "M": 16, "config": ["b"], "h_fused_us": 10.0, "h_unfused_us": 30.0}]
+    assert builder.lower_host_times(new, old) == 2
+    assert (new[0]["h_fused_us"], new[0]["h_unfused_us"]) == (49.0, 60.0)
+    assert (new[1]["h_fused_us"], new[1]["h_unfused_us"]) == (50.0, 30.0)  # another kernel: its own host time
+    assert new[2]["h_fused_us"] == 70.0

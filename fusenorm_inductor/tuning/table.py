@@ -151,3 +151,11 @@ def copy_gbps(device: torch.device) -> Optional[float]:
     t = table_for(device)
     v = t.get("copy_gbps") if t else None
     return float(v) if isinstance(v, (int, float)) and v > 0 else None
+
+
+def unfused_host_us(device: torch.device) -> Optional[float]:
+    """The bare unfused pair's host time per call measured with the table (``measure.unfused_host_us``), or
+    None: the table's points carry host times of that machine, so their floor comes from it too."""
+    t = table_for(device)
+    v = t.get("unfused_host_us") if t else None
+    return float(v) if isinstance(v, (int, float)) and v > 0 else None
