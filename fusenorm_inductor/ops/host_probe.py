@@ -16,8 +16,3 @@ def host_probe(x: Tensor) -> Tensor:
 @host_probe.register_fake
 def _(x):
     return x.new_empty((0,))
-
-
-def host_probe_cuda(x: Tensor) -> Tensor:
-    """What a compiled graph's direct call runs for CUDA tensors (graph_calls.wrap)."""
-    return x.new_empty((0,))

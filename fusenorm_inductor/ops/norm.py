@@ -16,8 +16,9 @@ Math (over the last dim, statistics in fp32; docs/algorithms.md "Norms"):
 (``src_is_normed``): fused forward kernels save ``hh`` (or ``y`` when there is no affine) instead of the
 pre-norm tensor, which they never write.
 
-This module is the reference: the ops' CPU implementation and the tests' oracle. On CUDA the canonical ops
-run the same torch code (eager use only: in compiled graphs they are either fused or decomposed).
+The references (norm_math.py, re-exported here) are the ops' CPU implementation and the tests' oracle. On CUDA
+the canonical ops run the same torch code (eager use only: in compiled graphs they are either fused or
+decomposed).
 """
 
 from __future__ import annotations
@@ -27,76 +28,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..norm_math import norm_backward_reference, norm_reference
+
 __all__ = ["norm", "norm_backward", "norm_reference", "norm_backward_reference", "decomposition"]
-
-
-def _empty_stat(x: Tensor) -> Tensor:
-    # Custom ops cannot return None: an absent output (RMSNorm's mean, a missing dw/db) is a 0-size tensor.
-    return x.new_empty((0,), dtype=torch.float32)
-
-
-def norm_reference(
-    x: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    eps: float,
-    is_rms: bool,
-    out_dtype: Optional[torch.dtype] = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Plain-torch norm over the last dim; returns (y, mean, rstd), mean 0-size for RMSNorm."""
-    xf = x.float()
-    if is_rms:
-        mean = _empty_stat(x)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
-        hh = xf * rstd.unsqueeze(-1)
-    else:
-        # Two-pass variance (torch.var_mean): accurate when |mean| >> std.
-        var, mean = torch.var_mean(xf, dim=-1, unbiased=False)
-        rstd = torch.rsqrt(var + eps)
-        hh = (xf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
-    y = hh
-    if weight is not None:
-        y = y * weight.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(out_dtype or x.dtype), mean, rstd
-
-
-def norm_backward_reference(
-    dy: Tensor,
-    src: Tensor,
-    weight: Optional[Tensor],
-    mean: Optional[Tensor],
-    rstd: Tensor,
-    is_rms: bool,
-    src_is_normed: bool,
-    has_bias: bool,
-    dx_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradient of ``norm`` given its input ``src`` (or the normalized ``hh`` when ``src_is_normed``).
-
-    ``mean`` is read only for LayerNorm from ``x`` (None otherwise: RMSNorm, or hh given).
-
-    Returns (dx, dw, db): dw/db in fp32 (0-size when there is no weight/bias); the caller casts them.
-    """
-    r = rstd.unsqueeze(-1)
-    if src_is_normed:
-        hh = src.float()
-    elif is_rms:
-        hh = src.float() * r
-    else:
-        hh = (src.float() - mean.unsqueeze(-1)) * r
-    dyf = dy.float()
-    t = dyf * weight.float() if weight is not None else dyf
-    c_th = (t * hh).mean(-1, keepdim=True)
-    if is_rms:
-        dx = r * (t - hh * c_th)
-    else:
-        dx = r * (t - t.mean(-1, keepdim=True) - hh * c_th)
-    rows = tuple(range(dy.dim() - 1))
-    dw = (dyf * hh).sum(rows) if weight is not None else _empty_stat(dy)
-    db = dyf.sum(rows) if has_bias else _empty_stat(dy)
-    return dx.to(dx_dtype), dw, db
 
 
 # ----------------------------------------------------------------------------------------------------------

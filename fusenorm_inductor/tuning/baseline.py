@@ -41,7 +41,7 @@ from torch import Tensor
 
 from .. import config
 from . import measure
-from ..ops.norm import norm_backward_reference
+from ..norm_math import norm_backward_reference
 
 __all__ = ["compile_fused", "compile_unfused", "dgrad_norm_fn", "in_baseline_compile", "norm_site_fn", "post_norm_fn",
            "pre_norm_fn", "time_compiled", "time_training_steps", "unfused_where_it_counts", "worth_measuring"]

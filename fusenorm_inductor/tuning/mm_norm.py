@@ -135,9 +135,10 @@ def measure_step(a, b, bias, residual, weight, norm_bias, eps, is_rms, out_dtype
     ``mm_norm`` (the configuration the decision just stored runs) with the backward it implies (its autograd:
     the norm's backward from what it saved, decomposed as the joint pass does, and the GEMMs' gradients),
     against Inductor's forward and backward of the unfused linear + norm; {} where either cannot be timed."""
-    from ..ops.norm import decomposition
+    from ..norm_math import norm_backward_reference
 
-    decomposed = {op: decomposition(op) for op in (torch.ops.fusenorm.norm_backward.default,)}
+    # the norm's backward inlined as the joint pass inlines it where it stays unfused (ops/norm.decomposition)
+    decomposed = {torch.ops.fusenorm.norm_backward.default: norm_backward_reference}
     with measure.RealInputs():
         ra, rb, *args = measure.real_gemm_operands(a, b, bias, residual, weight, norm_bias)
         names = ("a", "b", "bias", "residual", "weight", "norm_bias")
