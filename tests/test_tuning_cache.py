@@ -372,3 +372,29 @@ def test_deterministic_choice_is_not_measured(deterministic):
         assert "deterministic" in choice.reason and choice.reason.startswith("fused (not measured"), choice
     choice = norm_mm_tuning.prenorm_choice(*_prenorm_args())
     assert choice.fuse and choice.t_fused_ms is None and "deterministic" in choice.reason, choice
+
+
+def test_host_times_are_taken_without_garbage_collection_and_restore_it(monkeypatch):
+    """A collection landing in a timed loop would charge its pause to the calls (timeit's practice): the loops
+    run with the collector off, and it is back on afterwards, also when the timed function fails."""
+    import gc
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    seen = []
+
+    def fn():
+        seen.append(gc.isenabled())
+
+    assert gc.isenabled()
+    t = measure.host_us(fn, calls=4, repeats=3)
+    assert t is not None and t >= 0
+    assert seen[0] is True and seen[1:] == [False] * 12, seen
+    assert gc.isenabled()
+
+    def failing():
+        if len(seen) > 13:
+            raise RuntimeError("boom")
+        seen.append(gc.isenabled())
+
+    assert measure.host_us(failing, calls=4, repeats=3) is None
+    assert gc.isenabled()
