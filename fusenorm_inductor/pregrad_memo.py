@@ -11,10 +11,10 @@ of running the stage.
 
 The key: the graph's structure (each node's op, target, arguments and the shape, strides, dtype, device and
 requires_grad of its value), fusenorm's sources and config (as Inductor's cache key takes them: passes.py),
-the decision table's file, the tuning cache file's size and modification time (a measured entry there
-decides before the table), the Inductor mode and TF32 setting (``measure._context``), the device, torch and
-triton. Graphs the stage changed are not kept: their rewrites must run. Measured decisions (max-autotune) are
-not kept either: the tuning cache keeps their timings, and their users accept the compile time.
+the decision table's file, the tuning cache file's content (a measured entry there decides before the
+table), the Inductor mode and TF32 setting (``measure._context``), the device, torch and triton. Graphs the
+stage changed are not kept: their rewrites must run. Measured decisions (max-autotune) are not kept either:
+the tuning cache keeps their timings, and their users accept the compile time.
 """
 
 from __future__ import annotations
@@ -107,9 +107,8 @@ def _key(graph: fx.Graph, uuid: tuple) -> Optional[str]:
     fam = table.family(device)
     path = table.TABLES / f"{fam}.json"
     table_hash = hashlib.sha256(path.read_bytes()).hexdigest() if fam and path.is_file() else "-"
-    try:
-        st = os.stat(measure._cache_file())
-        tuning_file = f"{st.st_size}:{st.st_mtime_ns}"
+    try:  # its content, not its time stamp: a compile that writes back the same entries keeps the key
+        tuning_file = hashlib.sha256(measure._cache_file().read_bytes()).hexdigest()
     except OSError:
         tuning_file = "-"
     h = hashlib.sha256()

@@ -125,3 +125,18 @@ def test_a_malformed_file_entry_is_ignored(as_cuda, tmp_path):
     pregrad_memo.clear()
     _compile(model, x)
     assert as_cuda.count("pre_grad") == 2
+
+
+def test_a_changed_tuning_cache_is_another_key(as_cuda):
+    """A measured entry in the tuning cache decides before the table: new content, the stage runs again."""
+    from fusenorm_inductor.tuning import measure
+
+    model, x = NoFusion(), torch.randn(3, 9, 40)
+    _compile(model, x)
+    path = measure._cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"an entry": {"t_fused_ms": 1.0}}))
+    _compile(model, x)
+    assert as_cuda.count("pre_grad") == 2
+    _compile(model, x)
+    assert as_cuda.count("pre_grad") == 2
