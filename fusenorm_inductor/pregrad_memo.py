@@ -12,9 +12,11 @@ of running the stage.
 The key: the graph's structure (each node's op, target, arguments and the shape, strides, dtype, device and
 requires_grad of its value), fusenorm's sources and config (as Inductor's cache key takes them: passes.py),
 the decision table's file, the tuning cache file's content (a measured entry there decides before the
-table), the Inductor mode and TF32 setting (``measure._context``), the device, torch and triton. Graphs the
-stage changed are not kept: their rewrites must run. Measured decisions (max-autotune) are not kept either:
-the tuning cache keeps their timings, and their users accept the compile time.
+table), the Inductor mode and TF32 setting (``measure._context``), whether host time counts (CUDA graphs or
+not), the device, torch and triton. Graphs the stage changed are not kept: their rewrites must run; nor is
+anything under torch.distributed with ranks agreeing on decisions (each rank must take part in the stage's
+collectives). Measured decisions (max-autotune) are not kept either: the tuning cache keeps their timings,
+and their users accept the compile time.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ def _key(graph: fx.Graph, uuid: tuple) -> Optional[str]:
         return None
     if measure.decisions(device) != "table":
         return None
+    if measure._ranks()[1] > 1:  # ranks agree on decisions through collectives: all must run the stage
+        return None
     import triton
 
     fam = table.family(device)
@@ -112,7 +116,8 @@ def _key(graph: fx.Graph, uuid: tuple) -> Optional[str]:
     except OSError:
         tuning_file = "-"
     h = hashlib.sha256()
-    for part in (*uuid, table_hash, tuning_file, repr(measure._context()), torch.cuda.get_device_name(device),
+    for part in (*uuid, table_hash, tuning_file, repr(measure._context()), measure.host_counts(),
+                 torch.cuda.get_device_name(device),
                  torch.__version__, triton.__version__, structure(graph)):
         h.update(str(part).encode())
         h.update(b"\0")

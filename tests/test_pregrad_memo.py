@@ -140,3 +140,27 @@ def test_a_changed_tuning_cache_is_another_key(as_cuda):
     assert as_cuda.count("pre_grad") == 2
     _compile(model, x)
     assert as_cuda.count("pre_grad") == 2
+
+
+def test_cuda_graphs_or_not_is_another_key(as_cuda):
+    """Host time counts in a decision only without CUDA graphs: a verdict reached with it is not reused under
+    mode="reduce-overhead"."""
+    import torch._inductor.config as inductor_config
+
+    gm = torch.fx.symbolic_trace(NoFusion())
+    uuid = ("pre_grad", "sources", "config")
+    with inductor_config.patch({"triton.cudagraphs": True}):
+        with_graphs = pregrad_memo.key(gm.graph, uuid)
+    with inductor_config.patch({"triton.cudagraphs": False}):
+        without = pregrad_memo.key(gm.graph, uuid)
+    assert with_graphs is not None and without not in (None, with_graphs)
+
+
+def test_nothing_is_kept_where_ranks_agree_through_collectives(as_cuda, monkeypatch):
+    from fusenorm_inductor.tuning import measure
+
+    monkeypatch.setattr(measure, "_ranks", lambda: (1, 2))
+    model, x = NoFusion(), torch.randn(3, 9, 40)
+    _compile(model, x)
+    _compile(model, x)
+    assert as_cuda.count("pre_grad") == 2
