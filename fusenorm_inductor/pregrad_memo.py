@@ -30,13 +30,15 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from . import config, report
+from . import config, memory, report
 from .fx_utils import val
 from .tuning import measure, table
 
 VERSION = 1
-MAX_ENTRIES = 4096  # the file keeps the newest this many graphs
-_memo: dict[str, dict] = {}
+MAX_ENTRIES = 1024  # the file keeps the newest this many graphs
+# emptied with the tuning memory (measure.clear_memory): a verdict is not reused past the measurements'
+_memo: dict[str, dict] = memory.cache()
+_on_disk: list = memory.cache([])  # [the file's entries] once this process has read it (every compile asks)
 
 
 def _file() -> str:
@@ -136,7 +138,9 @@ def _read() -> dict:
 def get(k: str) -> Optional[dict]:
     """The kept verdict for key ``k``: this process's, else the file's; None when there is none."""
     if k not in _memo:
-        entry = _read().get(k)
+        if not _on_disk:
+            _on_disk.append(_read())
+        entry = _on_disk[0].get(k)
         if not (isinstance(entry, dict) and isinstance(entry.get("skips"), list)
                 and all(isinstance(x, list) and len(x) == 5 and all(isinstance(v, str) for v in x)
                         for x in entry["skips"])
@@ -178,5 +182,6 @@ def replay(rep: report.GraphReport, entry: dict) -> None:
 
 
 def clear() -> None:
-    """Forget this process's kept verdicts (the file stays); tests use it."""
+    """Forget this process's kept verdicts and what it read of the file (the file stays); tests use it."""
     _memo.clear()
+    _on_disk.clear()
