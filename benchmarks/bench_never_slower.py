@@ -6,8 +6,10 @@ LayerNorm -> linear, ``chain`` linear -> RMSNorm -> GELU -> linear (``--norms`` 
 Training times the whole step (forward, a loss, backward). Timing: plain calls, no CUDA graphs, so each
 compile's host cost counts; ``--calls`` calls between two CUDA events, in rounds whose order rotates, medians
 over the rounds. Per point: ``speedup`` (median over rounds of t_inductor / t_fusenorm), ``aa`` (t_inductor /
-t_aa), ``slower``: the speedup below 1 by more than the A/A's own distance from 1. The summary gives the worst
-speedup and how many points were slower. What fusenorm fused is read from its match reports.
+t_aa), ``slower``: the speedup below 1 by more than the A/A's own distance from 1, ``same_code``: fusenorm's
+compiled code is Inductor's line for line (comments aside), so that a slower median there is the timer's. The
+summary gives the worst speedup and how many points were slower, overall and where fusenorm's code differs.
+What fusenorm fused is read from its match reports.
 
     python benchmarks/bench_never_slower.py --out benchmarks/results/never_slower_h100.json
     python benchmarks/bench_never_slower.py --dry-run     # CPU, tiny shapes: exercises the code only
@@ -23,6 +25,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -92,7 +95,7 @@ def measure_point(p: dict, args, device: str, dtype) -> dict:
     base = Site(p["kind"], p["norm"], p["K"], p["N"], device, dtype)
     x = torch.randn(p["M"], p["K"], device=device, dtype=dtype)
     row = dict(p)
-    fns, reps = {}, []
+    fns, reps, codes = {}, [], {}
     for name in ("inductor", "fusenorm", "inductor_aa"):
         model = common.own_code(copy.deepcopy(base))
         fi.report.clear()
@@ -100,7 +103,7 @@ def measure_point(p: dict, args, device: str, dtype) -> dict:
         cm = torch.compile(model, backend="fusenorm" if name == "fusenorm" else "inductor", dynamic=False,
                            mode=args.mode)
         fn = _call(cm, model, x, p["mode"])
-        fn()
+        _, codes[name] = run_and_get_code(fn)
         common.sync() if device == "cuda" else None
         row[f"compile_{name}_s"] = time.perf_counter() - t0
         if name == "fusenorm":
@@ -127,6 +130,9 @@ def measure_point(p: dict, args, device: str, dtype) -> dict:
     row["speedup"] = common.ratio_median(times, "inductor", "fusenorm")
     row["aa"] = common.ratio_median(times, "inductor", "inductor_aa")
     row["slower"] = row["speedup"] < 1 - max(abs(1 - row["aa"]), NOISE)
+    # Where fusenorm left the graph to Inductor, its compiled code must be Inductor's line for line (comments
+    # aside): then a slower median is the timer's, not the code's.
+    row["same_code"] = _same_code(codes["fusenorm"], codes["inductor"])
     if device == "cuda":
         for name in ("inductor", "fusenorm"):
             row[f"peak_{name}_mib"] = common.peak_mib(fns[name])
@@ -137,12 +143,29 @@ def measure_point(p: dict, args, device: str, dtype) -> dict:
     return row
 
 
+def _code_lines(codes: list[str]) -> list[str]:
+    """Every graph's output code without blank and comment lines (kernel paths, source-node lists)."""
+    return [line for code in codes for line in code.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _same_code(ours: list[str], theirs: list[str]):
+    """Whether two compiles produced the same code (None where either was served without its code)."""
+    return _code_lines(ours) == _code_lines(theirs) if ours and theirs else None
+
+
 def summarize(rows: list[dict]) -> dict:
     ok = [r for r in rows if "speedup" in r]
     worst = min(ok, key=lambda r: r["speedup"], default=None)
+    own = [r for r in ok if r.get("same_code") is not True]  # fusenorm's code differs (or is unknown)
+    worst_own = min(own, key=lambda r: r["speedup"], default=None)
+    keys = ("kind", "norm", "K", "N", "M", "mode", "aa", "fused")
     return {"points": len(rows), "measured": len(ok), "slower_beyond_aa": sum(r["slower"] for r in ok),
+            "slower_beyond_aa_with_fusenorms_code": sum(r["slower"] for r in own),
+            "same_code_points": sum(r.get("same_code") is True for r in ok),
             "worst_speedup": worst and worst["speedup"],
-            "worst_point": worst and {k: worst[k] for k in ("kind", "norm", "K", "N", "M", "mode", "aa", "fused")},
+            "worst_point": worst and {k: worst[k] for k in keys},
+            "worst_speedup_with_fusenorms_code": worst_own and worst_own["speedup"],
+            "worst_point_with_fusenorms_code": worst_own and {k: worst_own[k] for k in keys},
             "fused_points": sum(r.get("fused", "none") != "none" for r in ok)}
 
 
@@ -200,7 +223,9 @@ def _data(rows, args, device, dtype, dry) -> dict:
                      "timer": "CUDA events around --calls plain calls (no CUDA graphs), rotating rounds, medians",
                      "metrics": {"speedup": "median over rounds of t_inductor / t_fusenorm",
                                  "aa": "median over rounds of t_inductor / t_inductor_aa (a second compile)",
-                                 "slower": f"speedup < 1 - max(|1 - aa|, {NOISE})"},
+                                 "slower": f"speedup < 1 - max(|1 - aa|, {NOISE})",
+                                 "same_code": "fusenorm's compiled code equals Inductor's, comments aside (None: "
+                                              "a compile served without its code)"},
                      "fusenorm_decisions": {"1": "measured (FUSENORM_TUNE=1)", "0": "every match fused (FUSENORM_TUNE=0)"}.get(
                          os.environ.get("FUSENORM_TUNE", ""),
                          "measured (max-autotune)" if args.mode else "the default mode's table")},
