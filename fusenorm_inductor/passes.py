@@ -100,6 +100,7 @@ class FusenormPass(CustomGraphPass):
             kept = pregrad_memo.get(memo_key)
             if kept is not None:  # this graph was left as traced before, for these reasons: say them again
                 pregrad_memo.replay(rep, kept)
+                log.info("%s (the verdict of an earlier compile of this graph)", rep.summary(self.stage))
                 return
             structure_before = pregrad_memo.structure(graph)
         from .patterns import run_stage
