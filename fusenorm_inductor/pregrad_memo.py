@@ -13,7 +13,8 @@ The key: the graph's structure (each node's op, target, arguments and the shape,
 requires_grad of its value), fusenorm's sources and config (as Inductor's cache key takes them: passes.py),
 the decision table's file, the tuning cache file's content (a measured entry there decides before the
 table), the Inductor mode and TF32 setting (``measure._context``), whether host time counts (CUDA graphs or
-not), the device, torch and triton. Graphs the stage changed are not kept: their rewrites must run; nor is
+not), the device, torch and triton. Graphs the stage changed are not kept: their rewrites must run; nor are
+dynamic graphs (their decisions are made at the traced example's sizes, which the structure does not show); nor is
 anything under torch.distributed with ranks agreeing on decisions (each rank must take part in the stage's
 collectives). Measured decisions (max-autotune) are not kept either: the tuning cache keeps their timings,
 and their users accept the compile time.
@@ -45,13 +46,21 @@ def _file() -> str:
     return os.path.join(os.path.dirname(measure._cache_file()), f"pregrad-v{VERSION}.json")
 
 
+def static_sizes(t: torch.Tensor) -> bool:
+    """Whether every size and stride of ``t`` is a plain int (no symbolic size of a dynamic graph)."""
+    return all(type(d) is int for d in (*t.shape, *t.stride()))
+
+
 def _device(graph: fx.Graph) -> Optional[torch.device]:
-    """The graph's one CUDA device, else None (CPU graphs, several devices)."""
+    """The graph's one CUDA device, else None (CPU graphs, several devices, symbolic sizes: a dynamic graph's
+    decisions are made at the traced example's sizes, which its structure does not show)."""
     devices = set()
     for node in graph.nodes:
         v = val(node)
         for t in v if isinstance(v, (list, tuple)) else (v,):
             if isinstance(t, torch.Tensor):
+                if not static_sizes(t):
+                    return None
                 devices.add(t.device)
     cuda = {d for d in devices if d.type == "cuda"}
     return next(iter(cuda)) if len(cuda) == 1 else None

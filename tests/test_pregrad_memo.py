@@ -164,3 +164,21 @@ def test_nothing_is_kept_where_ranks_agree_through_collectives(as_cuda, monkeypa
     _compile(model, x)
     _compile(model, x)
     assert as_cuda.count("pre_grad") == 2
+
+
+def test_a_dynamic_graph_is_not_kept():
+    """Symbolic sizes: the decisions are made at the traced example's sizes, which the structure does not show;
+    the same graph with static sizes on one CUDA device is kept (fake CUDA tensors: no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    dynamic = make_fx(lambda x: x * 2, tracing_mode="symbolic")(torch.randn(5, 40))
+    symbolic = [n.meta["val"] for n in dynamic.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    assert symbolic and not any(pregrad_memo.static_sizes(t) for t in symbolic)
+    assert pregrad_memo.static_sizes(torch.empty(5, 40))
+    static = make_fx(lambda x: x * 2)(torch.randn(5, 40))
+    with FakeTensorMode():
+        for node in static.graph.nodes:
+            if node.op != "output":
+                node.meta["val"] = torch.empty(5, 40, device="cuda")
+    assert pregrad_memo._device(static.graph) == torch.device("cuda", 0)
