@@ -95,14 +95,13 @@ class FusenormPass(CustomGraphPass):
         if not config.cpu_reference and _cpu_only(graph):
             _preview_on_cpu(self.stage, graph, rep)
             return
-        memo_key = pregrad_memo.key(graph, self.uuid()) if self.stage == "pre_grad" else None
-        if memo_key is not None:
-            kept = pregrad_memo.get(memo_key)
+        memo = pregrad_memo.key(graph, self.uuid()) if self.stage == "pre_grad" else None
+        if memo is not None:
+            kept = pregrad_memo.get(memo[0])
             if kept is not None:  # this graph was left as traced before, for these reasons: say them again
                 pregrad_memo.replay(rep, kept)
                 log.info("%s (the verdict of an earlier compile of this graph)", rep.summary(self.stage))
                 return
-            structure_before = pregrad_memo.structure(graph)
         from .patterns import run_stage
 
         dumps_before = _debug_aid(lambda: _render_parts(graph, self.stage), "graph dump", rep) if config.debug_dir else None
@@ -118,9 +117,9 @@ class FusenormPass(CustomGraphPass):
             run_stage(self.stage, graph, rep)
             rep.locate(metas, recorded)
             graph.lint()
-            if memo_key is not None and len(rep.rewrites) == recorded[0] and not rep.errors \
-                    and pregrad_memo.structure(graph) == structure_before:
-                pregrad_memo.put(memo_key, rep, recorded)
+            if memo is not None and len(rep.rewrites) == recorded[0] and not rep.errors \
+                    and pregrad_memo.structure(graph) == memo[1]:
+                pregrad_memo.put(memo[0], rep, recorded)
             if nodes_before is not None:
                 fx_utils.refresh_values(graph, nodes_before)
         except Exception as e:  # a failed pass must never fail the user's compile

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -42,8 +41,8 @@ _memo: dict[str, dict] = memory.cache()
 _on_disk: list = memory.cache([])  # [the file's entries] once this process has read it (every compile asks)
 
 
-def _file() -> str:
-    return os.path.join(os.path.dirname(measure._cache_file()), f"pregrad-v{VERSION}.json")
+def _file() -> Path:
+    return measure._cache_file().with_name(f"pregrad-v{VERSION}.json")
 
 
 def static_sizes(t: torch.Tensor) -> bool:
@@ -99,17 +98,17 @@ def structure(graph: fx.Graph) -> str:
                      f"{_value_text(val(n))}" for n in graph.nodes)
 
 
-def key(graph: fx.Graph, uuid: tuple) -> Optional[str]:
-    """The memo key of ``graph`` (``uuid``: the pre-grad pass's cache key parts, passes.py), or None where the
-    verdict is not kept: no single CUDA device, decisions not from the table, deterministic mode, debug dumps,
-    or anything failing on the way (the stage then runs as always)."""
+def key(graph: fx.Graph, uuid: tuple) -> Optional[tuple[str, str]]:
+    """(the memo key of ``graph``, its ``structure``) (``uuid``: the pre-grad pass's cache key parts, passes.py),
+    or None where the verdict is not kept: no single CUDA device, decisions not from the table, deterministic
+    mode, debug dumps, or anything failing on the way (the stage then runs as always)."""
     try:
         return _key(graph, uuid)
     except Exception:  # noqa: BLE001 - the memo is an optimization: never a reason for a compile to fail
         return None
 
 
-def _key(graph: fx.Graph, uuid: tuple) -> Optional[str]:
+def _key(graph: fx.Graph, uuid: tuple) -> Optional[tuple[str, str]]:
     device = _device(graph)
     if device is None or config.debug_dir or torch.are_deterministic_algorithms_enabled():
         return None
@@ -126,13 +125,13 @@ def _key(graph: fx.Graph, uuid: tuple) -> Optional[str]:
         tuning_file = hashlib.sha256(measure._cache_file().read_bytes()).hexdigest()
     except OSError:
         tuning_file = "-"
+    text = structure(graph)
     h = hashlib.sha256()
     for part in (*uuid, table_hash, tuning_file, repr(measure._context()), measure.host_counts(),
-                 torch.cuda.get_device_name(device),
-                 torch.__version__, triton.__version__, structure(graph)):
+                 torch.cuda.get_device_name(device), torch.__version__, triton.__version__, text):
         h.update(str(part).encode())
         h.update(b"\0")
-    return h.hexdigest()
+    return h.hexdigest(), text
 
 
 def _read() -> dict:
@@ -165,19 +164,16 @@ def put(k: str, rep: report.GraphReport, since: tuple[int, int]) -> None:
     entry = {"skips": [[s.pattern, s.stage, s.node, s.reason, s.where] for s in rep.skips[since[1]:]],
              "notes": list(rep.notes)}
     _memo[k] = entry
-    path = _file()
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        data = _read()
+
+    def update(data: dict) -> None:
         data.pop(k, None)
-        data[k] = entry
+        data[k] = entry  # last: the file keeps its entries oldest first
         while len(data) > MAX_ENTRIES:
             data.pop(next(iter(data)))
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".pregrad-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)  # whole files only: a concurrent writer's entry may be lost, never half-written
-    except OSError:
+
+    try:
+        measure.update_json_file(_file(), _read, update, sort_keys=False)
+    except (OSError, TypeError, ValueError):
         pass
 
 

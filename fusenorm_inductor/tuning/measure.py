@@ -187,29 +187,39 @@ def _file_lock(path: Path):
         os.close(fd)  # closing releases the lock
 
 
-def _write_disk(key: str, entry: dict) -> None:
-    path = _cache_file()
+def update_json_file(path: Path, read: Callable[[], dict], update: Callable[[dict], None],
+                     sort_keys: bool = True) -> None:
+    """Read-merge-replace of a file holding one JSON object, under its lock (``_file_lock``): ``update`` changes
+    what ``read`` gives, and the result replaces the file atomically. Strict JSON (an inf or NaN raises
+    ValueError); OSError, TypeError and ValueError are the caller's to handle."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _file_lock(path):
-            data = _read_disk()  # a malformed file (warned) is replaced by one holding this entry
-            data[key] = entry
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-")
+            data = read()
+            update(data)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-")
             with os.fdopen(fd, "w") as f:
-                # Strict JSON: an inf or NaN here is a bug (failed measurements are never stored), not a time.
-                json.dump(data, f, indent=0, sort_keys=True, allow_nan=False)
+                json.dump(data, f, indent=0, sort_keys=sort_keys, allow_nan=False)
             os.replace(tmp, path)  # atomic: readers see the old or the new file, never half of one
             tmp = None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _write_disk(key: str, entry: dict) -> None:
+    path = _cache_file()
+    try:
+        # A malformed file (warned) is replaced by one holding this entry. Strict JSON: an inf or NaN here is a
+        # bug (failed measurements are never stored), not a time.
+        update_json_file(path, _read_disk, lambda data: data.__setitem__(key, entry))
     except (OSError, TypeError, ValueError) as e:
         # An unwritable cache only costs re-measuring in the next process.
         warn_once(("write", str(path.parent)),
                    f"cannot write the tuning cache in {path.parent} ({first_line(e)}); measurements are kept in "
                    f"this process only")
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
 
 def entry_problem(entry) -> Optional[str]:
