@@ -186,12 +186,15 @@ def _table_choice(key, device, what: str, margin: Optional[float]) -> tuple[Choi
                                   "table without timing; mode='max-autotune' or config.tuning.measure = True "
                                   "measures this shape)"), None
     lo, hi, est = points
-    entry = {**est, "unfused_by": TABLE, "measured_unfused_by": est.get("unfused_by")}
+
+    def tabled(p: dict) -> dict:  # a table point as a decision entry, keeping what it was measured against
+        return {**p, "unfused_by": TABLE, "measured_unfused_by": p.get("unfused_by")}
+
+    entry = tabled(est)
     span = f"M {lo['M']}" if lo is hi else f"M {lo['M']}..{hi['M']}"
     how = f"estimated from the {table.measured_by(device)} at {span}:"
     choice = _judge(entry, device, what, margin, how)
-    if choice.fuse and not all(_judge({**p, "unfused_by": TABLE, "measured_unfused_by": p.get("unfused_by")}, device,
-                                      what, margin, how).fuse for p in (lo, hi)):
+    if choice.fuse and not all(_judge(tabled(p), device, what, margin, how).fuse for p in (lo, hi)):
         choice = replace(choice, fuse=False, reason=choice.reason.replace(
             "fused (", "left unfused: a measured point beside this shape did not win (", 1))
     measure.store(key, entry)

@@ -146,16 +146,19 @@ def measured_by(device: torch.device) -> str:
     return f"{t['family']} table ({t.get('gpu')}, torch {t.get('torch')}, triton {t.get('triton')}, {t.get('date')})"
 
 
+def _measured(device: torch.device, name: str) -> Optional[float]:
+    """A positive figure the table was measured with (its top-level ``name``), or None."""
+    t = table_for(device)
+    v = t.get(name) if t else None
+    return float(v) if isinstance(v, (int, float)) and v > 0 else None
+
+
 def copy_gbps(device: torch.device) -> Optional[float]:
     """The copy bandwidth measured with the table (the unfused norm's speed), or None."""
-    t = table_for(device)
-    v = t.get("copy_gbps") if t else None
-    return float(v) if isinstance(v, (int, float)) and v > 0 else None
+    return _measured(device, "copy_gbps")
 
 
 def unfused_host_us(device: torch.device) -> Optional[float]:
     """The bare unfused pair's host time per call measured with the table (``measure.unfused_host_us``), or
     None: the table's points carry host times of that machine, so their floor comes from it too."""
-    t = table_for(device)
-    v = t.get("unfused_host_us") if t else None
-    return float(v) if isinstance(v, (int, float)) and v > 0 else None
+    return _measured(device, "unfused_host_us")
